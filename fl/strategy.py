@@ -1,0 +1,181 @@
+"""The server half of a strategy: Flower's FedAvg with per-node messages and checks.
+
+What it adds to `flwr.serverapp.strategy.FedAvg`: seeded client selection among the
+nodes the run says are reachable, one message per node (a strategy may give each
+node its own config and payload), replies decoded through `fl.codec` and validated
+before they can touch the global model, and `state_dict()` for resume. Subclasses
+override the small methods below, never the round loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fl.codec import CodecError, decode, encode_dense
+from fl.records import Layout, vector_to_arrays
+
+__all__ = ["ClientUpdate", "RoundStats", "ServerStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientUpdate:
+    """One accepted reply: the client's full model vector and what it reported."""
+
+    node_id: int
+    vector: torch.Tensor
+    num_examples: int
+    metrics: dict[str, Any]
+
+
+@dataclass
+class RoundStats:
+    """What happened to the replies of the last round."""
+
+    sent: int = 0
+    accepted: int = 0
+    failed: int = 0
+    rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+class ServerStrategy(FedAvg):
+    """Base of our server halves; plain FedAvg when nothing is overridden."""
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        seed: int,
+        clients_per_round: int,
+        max_update_norm: float = math.inf,
+    ) -> None:
+        super().__init__(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+        self.params = params
+        self.seed = seed
+        self.clients_per_round = clients_per_round
+        self.max_update_norm = max_update_norm
+        self.layout: Layout | None = None
+        self.global_vector = torch.empty(0)
+        self.stats = RoundStats()
+        self.reachable: Callable[[int, list[int]], list[int]] = lambda rnd, nodes: nodes
+
+    # ----- selection and instructions -------------------------------------------------
+    def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
+        """Seeded uniform sample of `clients_per_round` nodes (sorted, so reproducible)."""
+        k = min(self.clients_per_round, len(candidates))
+        rng = np.random.default_rng([self.seed, server_round, 0x5E1])
+        picked = rng.choice(len(candidates), size=k, replace=False)
+        return sorted(candidates[i] for i in picked)
+
+    def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
+        """Algorithm keys added to one node's ConfigRecord."""
+        return {}
+
+    def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
+        """Arrays (and codec record) sent to one node; dense global model by default."""
+        return self._dense_payload
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One train message per selected node, each with its own config and payload."""
+        if self.layout is None:
+            self.layout = Layout.of(arrays.to_torch_state_dict())
+        self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
+        self._dense_payload = encode_dense(self.global_vector, self.layout)
+        nodes = sorted(grid.get_node_ids())
+        chosen = self.select(server_round, self.reachable(server_round, nodes))
+        self.stats = RoundStats(sent=len(chosen))
+        messages = []
+        for node_id in chosen:
+            node_config = ConfigRecord(
+                {**config, "server-round": server_round, **self.train_config(server_round, node_id)}
+            )
+            content = RecordDict({**self.train_payload(server_round, node_id), "config": node_config})
+            messages.append(Message(content, node_id, MessageType.TRAIN, group_id=str(server_round)))
+        return messages
+
+    # ----- replies ----------------------------------------------------------------------
+    def decode_reply(self, reply: Message) -> torch.Tensor:
+        """The full model vector a reply stands for."""
+        assert self.layout is not None
+        return decode(reply.content, self.layout, base=self.global_vector)
+
+    def check_reply(self, reply: Message) -> ClientUpdate:
+        """Decode and validate one reply; raise ValueError with the reason to reject it."""
+        content = reply.content
+        if "metrics" not in content.metric_records:
+            raise ValueError("reply has no 'metrics' record")
+        metrics = dict(content.metric_records["metrics"])
+        num_examples = metrics.get(self.weighted_by_key)
+        if not isinstance(num_examples, int) or num_examples <= 0:
+            raise ValueError(f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}")
+        vector = self.decode_reply(reply)
+        if not bool(torch.isfinite(vector).all()):
+            raise ValueError("update has NaN or Inf values")
+        norm = float(torch.linalg.vector_norm(vector - self.global_vector))
+        if norm > self.max_update_norm:
+            raise ValueError(f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}")
+        return ClientUpdate(reply.metadata.src_node_id, vector, num_examples, metrics)
+
+    def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:
+        """Replies that decode and validate; the rest are logged and counted, never used."""
+        updates = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                self.stats.failed += 1
+                log.warning("node %d failed: %s", node, reply.error.reason)
+                continue
+            try:
+                updates.append(self.check_reply(reply))
+            except (ValueError, CodecError, TypeError, KeyError) as err:
+                self.stats.rejected += 1
+                self.stats.reasons.append(f"node {node}: {err}")
+                log.warning("rejected reply of node %d: %s", node, err)
+        self.stats.accepted = len(updates)
+        return updates
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
+        """New global vector: the example-weighted mean of the client vectors."""
+        weights = torch.tensor([u.num_examples for u in updates], dtype=torch.float64)
+        stacked = torch.stack([u.vector for u in updates]).double()
+        return ((weights / weights.sum()) @ stacked).float()
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Accept, aggregate, and report the mean train metrics of the accepted replies."""
+        updates = self.accept(replies)
+        if not updates:
+            return None, None
+        assert self.layout is not None
+        self.global_vector = self.aggregate(server_round, updates)
+        total = sum(u.num_examples for u in updates)
+        mean_loss = sum(float(u.metrics.get("train-loss", 0.0)) * u.num_examples for u in updates)
+        metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
+        return vector_to_arrays(self.global_vector, self.layout), metrics
+
+    # ----- diagnostics and resume -------------------------------------------------------
+    def diagnostics(self) -> dict[str, Any]:
+        """Per-round values for metrics.jsonl (subclasses add their own)."""
+        return {"rejected": self.stats.rejected, "failed": self.stats.failed}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to continue after a restart."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""

@@ -1,0 +1,118 @@
+"""A run's learning task: the dataset, its split across clients, and the model.
+
+Built once per process and cached, so thousands of simulated clients in one process
+share one copy of the data and one model instance per thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from fl.data import Dataset, load_dataset
+from fl.models import build_model
+from fl.partition import partition_indices
+from fl.records import Layout
+
+__all__ = ["Task", "get_task", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; `cuda` without a GPU fails clearly."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA device is visible to this process")
+    return torch.device(name)
+
+
+@dataclass
+class Task:
+    """Data, partitions and model factory of one run."""
+
+    dataset: Dataset
+    partitions: list[np.ndarray]
+    model_name: str
+    hidden: tuple[int, ...]
+    seed: int
+    device: torch.device
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def new_model(self) -> nn.Module:
+        """A freshly initialised model, identical for a given seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = build_model(
+                self.model_name,
+                self.dataset.input_shape,
+                self.dataset.num_classes,
+                hidden=self.hidden,
+            )
+        return model.to(self.device)
+
+    def model(self) -> nn.Module:
+        """This thread's reusable model instance (its weights are overwritten per client)."""
+        if not hasattr(self._local, "model"):
+            self._local.model = self.new_model()
+        model: nn.Module = self._local.model
+        return model
+
+    @property
+    def layout(self) -> Layout:
+        """Layout of the model's state_dict."""
+        return Layout.of(self.model().state_dict())
+
+    def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The train tensors of one client, on the task's device."""
+        index = torch.from_numpy(self.partitions[partition])
+        x = self.dataset.x_train[index].to(self.device)
+        y = self.dataset.y_train[index].to(self.device)
+        return x, y
+
+
+@lru_cache(maxsize=4)
+def _build(key: str) -> Task:
+    spec = json.loads(key)
+    task, part = spec["task"], spec["partition"]
+    options = dict(task.get("options") or {})
+    if task["dataset"] == "synthetic":
+        options.setdefault("num_devices", spec["num_clients"])
+    if task["model"] in ("cnn", "lenet5", "resnet18") and task["dataset"] == "digits":
+        options.setdefault("flat", False)
+    dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
+    labels = dataset.y_train.numpy()
+    partitions = partition_indices(
+        labels,
+        spec["num_clients"],
+        part["scheme"],
+        seed=spec["seed"],
+        **{k: v for k, v in part.items() if k != "scheme"},
+        groups=dataset.groups,
+    )
+    return Task(
+        dataset,
+        partitions,
+        task["model"],
+        tuple(task.get("hidden") or ()),
+        spec["seed"],
+        resolve_device(spec["device"]),
+    )
+
+
+def get_task(cfg: DictConfig) -> Task:
+    """The task of a run config (built on first use in this process)."""
+    spec = {
+        "task": OmegaConf.to_container(cfg.task, resolve=True),
+        "partition": OmegaConf.to_container(cfg.partition, resolve=True),
+        "num_clients": cfg.num_clients,
+        "seed": cfg.seed,
+        "device": cfg.device,
+    }
+    return _build(json.dumps(spec, sort_keys=True))

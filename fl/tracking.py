@@ -1,0 +1,107 @@
+"""Run outputs: metrics.jsonl, summary.json, the plot, and Weights & Biases (optional).
+
+One JSON object per round goes to `metrics.jsonl`; the same rows go to W&B when
+`logger=wandb` (offline unless WANDB_MODE says otherwise). A resumed run truncates
+the file to the checkpointed round and continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["RunLog", "summarize"]
+
+
+def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict[str, Any]:
+    """Totals of a run, and how long it took to reach `target_accuracy` if it did."""
+    if not rows:
+        return {"rounds": 0}
+    last = rows[-1]
+    summary: dict[str, Any] = {
+        "rounds": last["round"],
+        "final_accuracy": last["accuracy"],
+        "final_loss": last["loss"],
+        "best_accuracy": max(r["accuracy"] for r in rows),
+        "total_bytes_up": last["cum_bytes_up"],
+        "total_bytes_down": last["cum_bytes_down"],
+        "virtual_time_s": last["virtual_time_s"],
+        "wall_time_s": last["wall_time_s"],
+    }
+    if target_accuracy is not None:
+        hit = next((r for r in rows if r["accuracy"] >= target_accuracy), None)
+        summary["target_accuracy"] = target_accuracy
+        summary["rounds_to_target"] = hit["round"] if hit else None
+        summary["bytes_to_target"] = hit["cum_bytes_up"] + hit["cum_bytes_down"] if hit else None
+        summary["time_to_target_s"] = hit["virtual_time_s"] if hit else None
+    return summary
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLog:
+    """Writes one run's outputs into its directory."""
+
+    def __init__(self, out_dir: Path, cfg: DictConfig, *, resume_round: int = 0) -> None:
+        self.out_dir = out_dir
+        self.cfg = cfg
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.path = out_dir / "metrics.jsonl"
+        self.rows = self._read(resume_round) if resume_round else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.wandb: Any = None
+        if cfg.logger.name == "wandb":
+            self.wandb = self._start_wandb()
+
+    def _read(self, up_to_round: int) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return [r for r in rows if r["round"] <= up_to_round]
+
+    def _start_wandb(self) -> Any:
+        import wandb
+
+        settings = self.cfg.logger
+        run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            mode=settings.mode,
+            dir=str(self.out_dir),
+            config=OmegaConf.to_container(self.cfg, resolve=True),  # type: ignore[arg-type]
+            reinit="finish_previous",
+        )
+        for row in self.rows:
+            run.log(row, step=row["round"])
+        return run
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Record one round."""
+        row = {k: _jsonable(v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["round"])
+
+    def finish(self) -> dict[str, Any]:
+        """Write summary.json and the plot; close W&B. Returns the summary."""
+        from fl.plots import plot_run
+
+        summary = summarize(self.rows, self.cfg.get("target_accuracy"))
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.rows:
+            plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+        return summary

@@ -1,0 +1,28 @@
+"""The Flower ServerApp: reads the run's config and drives the round loop.
+
+Loaded by module path (`server.app:app`) in a deployment, called directly by the
+local engine, and run in a thread by Flower's simulation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fl.config import from_run_config, validate
+from server.loop import run_training
+
+__all__ = ["app"]
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Train for the configured rounds; outputs go to `output_dir` (or outputs/run-ID)."""
+    cfg = from_run_config(context.run_config)
+    validate(cfg)
+    out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
+    run_training(grid, cfg, out_dir)
