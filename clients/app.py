@@ -6,6 +6,8 @@ and per-client memory lives in the node's `Context.state`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,9 @@ def _partition(context: Context) -> int:
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Tell the server which data partition this node holds."""
-    return Message(RecordDict({"info": ConfigRecord({"partition-id": _partition(context)})}), reply_to=msg)
+    return Message(
+        RecordDict({"info": ConfigRecord({"partition-id": _partition(context)})}), reply_to=msg
+    )
 
 
 @app.train()
@@ -47,7 +51,7 @@ def train(msg: Message, context: Context) -> Message:
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
     x, y = task.client_data(partition)
-    server_round = int(config["server-round"])
+    server_round = cast(int, config["server-round"])
     settings = TrainSettings(
         local_steps=int(config.get("local-steps", cfg.local_steps)),
         local_epochs=cfg.local_epochs,

@@ -71,7 +71,7 @@ def build_profiles(
     downs = _spread(rng, down_mbps * MBIT, bandwidth_spread, num_clients)
     return [
         DeviceProfile(float(s), float(u), float(d), availability)
-        for s, u, d in zip(speeds, ups, downs)
+        for s, u, d in zip(speeds, ups, downs, strict=True)
     ]
 
 
@@ -91,10 +91,7 @@ class VirtualClock:
     def round_seconds(self, work: Iterable[ClientWork]) -> float:
         """Duration of a synchronous round: its slowest client's round trip."""
         return max(
-            (
-                self.profiles[w.partition].seconds(w.samples, w.down_bytes, w.up_bytes)
-                for w in work
-            ),
+            (self.profiles[w.partition].seconds(w.samples, w.down_bytes, w.up_bytes) for w in work),
             default=0.0,
         )
 

@@ -10,6 +10,7 @@ same way for every strategy whatever the engine actually moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ def payload_traffic(content: RecordDict) -> Traffic:
     """Logical bytes a message's payload puts on the link (0 when it carries no arrays)."""
     if CODEC in content.config_records:
         record = content.config_records[CODEC]
-        return Traffic(int(record["payload-bytes"]), int(record["control-bytes"]))
+        return Traffic(cast(int, record["payload-bytes"]), cast(int, record["control-bytes"]))
     arrays = content.array_records.get(ARRAYS)
     if arrays is None:
         return Traffic(0)

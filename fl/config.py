@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,6 +21,7 @@ __all__ = [
     "CONF_DIR",
     "ConfigError",
     "compose",
+    "plain",
     "from_run_config",
     "to_run_config",
     "validate",
@@ -41,6 +42,13 @@ class ConfigError(ValueError):
     """An invalid configuration key or value, named in the message."""
 
 
+def plain(node: Any) -> dict[str, Any]:
+    """A config node as a plain dict with interpolations resolved."""
+    if not isinstance(node, DictConfig):
+        return dict(node)
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
+
+
 def compose(overrides: list[str] | None = None) -> DictConfig:
     """The config of `conf/config.yaml` with Hydra command-line style overrides."""
     from hydra import compose as hydra_compose
@@ -52,10 +60,9 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
 
 def to_run_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
     """Flower run_config carrying the resolved config (Hydra's own keys dropped)."""
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    assert isinstance(plain, dict)
-    plain.pop("hydra", None)
-    return {RUN_CONFIG_KEY: json.dumps(plain, sort_keys=True)}
+    values = plain(cfg)
+    values.pop("hydra", None)
+    return {RUN_CONFIG_KEY: json.dumps(values, sort_keys=True)}
 
 
 @lru_cache(maxsize=8)
@@ -66,10 +73,9 @@ def _parse(text: str) -> DictConfig:
 @lru_cache(maxsize=8)
 def _compose_cached(overrides: str) -> DictConfig:
     cfg = compose(overrides.split())
-    cfg_plain = OmegaConf.to_container(cfg, resolve=False)
-    assert isinstance(cfg_plain, dict)
-    cfg_plain.pop("hydra", None)
-    return OmegaConf.create(cfg_plain)
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=False))
+    values.pop("hydra", None)
+    return OmegaConf.create(values)
 
 
 def from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
@@ -86,7 +92,9 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 def _int_at_least(cfg: DictConfig, key: str, low: int) -> None:
     value = OmegaConf.select(cfg, key)
-    _require(isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer")
+    _require(
+        isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer"
+    )
     _require(value >= low, key, value, f"must be >= {low}")
 
 
@@ -138,21 +146,28 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "privacy.name", ("none",))
     if cfg.partition.scheme == "dirichlet":
         alpha = cfg.partition.alpha
-        _require(isinstance(alpha, int | float) and alpha > 0, "partition.alpha", alpha, "must be > 0")
+        _require(
+            isinstance(alpha, int | float) and alpha > 0, "partition.alpha", alpha, "must be > 0"
+        )
     if cfg.partition.scheme == "natural":
-        _require(cfg.task.dataset == "synthetic", "partition.scheme", "natural", "needs task=synthetic")
+        _require(
+            cfg.task.dataset == "synthetic", "partition.scheme", "natural", "needs task=synthetic"
+        )
     system = cfg.system
     for key in ("speed", "up_mbps", "down_mbps"):
         _require(system[key] > 0, f"system.{key}", system[key], "must be > 0")
     for key in ("speed_spread", "bandwidth_spread"):
         _require(system[key] >= 1, f"system.{key}", system[key], "must be >= 1")
     _require(
-        0 < system.availability <= 1, "system.availability", system.availability, "must be in (0, 1]"
+        0 < system.availability <= 1,
+        "system.availability",
+        system.availability,
+        "must be in (0, 1]",
     )
     if cfg.engine.name == "local":
         _int_at_least(cfg, "engine.workers", 1)
         _int_at_least(cfg, "engine.torch_threads", 0)
-    strategy = dict(OmegaConf.to_container(cfg.strategy, resolve=True))  # type: ignore[arg-type]
+    strategy = plain(cfg.strategy)
     try:
         get_strategy(str(strategy["name"])).make_params(strategy)
     except (TypeError, ValueError) as err:

@@ -28,7 +28,9 @@ class ClientHooks:
     def __init__(self, params: Any) -> None:
         self.params = params
 
-    def load(self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout) -> None:
+    def load(
+        self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout
+    ) -> None:
         """Put the global model the server sent into `model`."""
         vector = decode(content, layout)
         model.load_state_dict(layout.unflatten(vector))

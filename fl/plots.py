@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["plot_run", "plot_runs"]
 
@@ -22,9 +22,12 @@ def plot_runs(runs: Mapping[str, Rows], path: Path, *, title: str = "") -> None:
     for label, rows in runs.items():
         acc = [r["accuracy"] for r in rows]
         axes[0].plot([r["round"] for r in rows], acc, label=label)
-        axes[1].plot([(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in rows], acc, label=label)
+        axes[1].plot(
+            [(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in rows], acc, label=label
+        )
         axes[2].plot([r["virtual_time_s"] for r in rows], acc, label=label)
-    for ax, xlabel in zip(axes, ("round", "cumulative traffic, up + down (MB)", "virtual time (s)")):
+    xlabels = ("round", "cumulative traffic, up + down (MB)", "virtual time (s)")
+    for ax, xlabel in zip(axes, xlabels, strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)

@@ -52,10 +52,12 @@ class Layout:
         """The state_dict whose flat form is `vector` (views where dtypes allow)."""
         if vector.numel() != self.numel:
             raise ValueError(f"vector has {vector.numel()} scalars, layout expects {self.numel}")
-        parts = torch.split(vector, self.sizes)
+        parts = torch.split(vector, list(self.sizes))
         return {
             name: part.reshape(shape).to(dtype)
-            for name, part, shape, dtype in zip(self.names, parts, self.shapes, self.dtypes)
+            for name, part, shape, dtype in zip(
+                self.names, parts, self.shapes, self.dtypes, strict=True
+            )
         }
 
     def check(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -64,7 +66,7 @@ class Layout:
         extra = [n for n in state if n not in self.names]
         if missing or extra:
             raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
-        for name, shape in zip(self.names, self.shapes):
+        for name, shape in zip(self.names, self.shapes, strict=True):
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
 

@@ -103,8 +103,12 @@ class ServerStrategy(FedAvg):
             node_config = ConfigRecord(
                 {**config, "server-round": server_round, **self.train_config(server_round, node_id)}
             )
-            content = RecordDict({**self.train_payload(server_round, node_id), "config": node_config})
-            messages.append(Message(content, node_id, MessageType.TRAIN, group_id=str(server_round)))
+            content = RecordDict(
+                {**self.train_payload(server_round, node_id), "config": node_config}
+            )
+            messages.append(
+                Message(content, node_id, MessageType.TRAIN, group_id=str(server_round))
+            )
         return messages
 
     # ----- replies ----------------------------------------------------------------------
@@ -121,13 +125,17 @@ class ServerStrategy(FedAvg):
         metrics = dict(content.metric_records["metrics"])
         num_examples = metrics.get(self.weighted_by_key)
         if not isinstance(num_examples, int) or num_examples <= 0:
-            raise ValueError(f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}")
+            raise ValueError(
+                f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}"
+            )
         vector = self.decode_reply(reply)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("update has NaN or Inf values")
         norm = float(torch.linalg.vector_norm(vector - self.global_vector))
         if norm > self.max_update_norm:
-            raise ValueError(f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}")
+            raise ValueError(
+                f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}"
+            )
         return ClientUpdate(reply.metadata.src_node_id, vector, num_examples, metrics)
 
     def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:

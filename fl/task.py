@@ -13,9 +13,10 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
+from fl.config import plain
 from fl.data import Dataset, load_dataset
 from fl.models import build_model
 from fl.partition import partition_indices
@@ -109,8 +110,8 @@ def _build(key: str) -> Task:
 def get_task(cfg: DictConfig) -> Task:
     """The task of a run config (built on first use in this process)."""
     spec = {
-        "task": OmegaConf.to_container(cfg.task, resolve=True),
-        "partition": OmegaConf.to_container(cfg.partition, resolve=True),
+        "task": plain(cfg.task),
+        "partition": plain(cfg.partition),
         "num_clients": cfg.num_clients,
         "seed": cfg.seed,
         "device": cfg.device,

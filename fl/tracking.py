@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fl.config import plain
+
 __all__ = ["RunLog", "summarize"]
 
 
@@ -77,7 +79,7 @@ class RunLog:
             entity=settings.entity,
             mode=settings.mode,
             dir=str(self.out_dir),
-            config=OmegaConf.to_container(self.cfg, resolve=True),  # type: ignore[arg-type]
+            config=plain(self.cfg),
             reinit="finish_previous",
         )
         for row in self.rows:

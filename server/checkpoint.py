@@ -14,12 +14,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["load_checkpoint", "rng_state", "restore_rng", "save_checkpoint"]
+__all__ = ["load_checkpoint", "restore_rng", "rng_state", "save_checkpoint"]
 
 
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch global RNG states."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -48,7 +52,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint written by `save_checkpoint` (our own file, so full unpickling)."""
     if not path.exists():
         raise FileNotFoundError(
-            f"no checkpoint at {path}; to resume, pass hydra.run.dir=<the interrupted run's directory>"
+            f"no checkpoint at {path}; to resume, pass "
+            "hydra.run.dir=<the interrupted run's directory>"
         )
     payload: dict[str, Any] = torch.load(path, weights_only=False)
     return payload

@@ -11,16 +11,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fl.clock import ClientWork, VirtualClock, build_profiles
 from fl.codec import payload_traffic
+from fl.config import plain
 from fl.registry import get_strategy
 from fl.strategy import ServerStrategy
 from fl.task import get_task
@@ -51,12 +52,14 @@ def discover_partitions(grid: Grid, expected: int, timeout_s: float = 300.0) -> 
     deadline = time.monotonic() + timeout_s
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(nodes)} of {expected} nodes connected after {timeout_s} s")
+            raise TimeoutError(
+                f"only {len(nodes)} of {expected} nodes connected after {timeout_s} s"
+            )
         time.sleep(0.5)
     queries = [Message(RecordDict(), node, MessageType.QUERY + ".info") for node in nodes]
     replies = list(grid.send_and_receive(queries, timeout=timeout_s))
     found = {
-        r.metadata.src_node_id: int(r.content.config_records["info"]["partition-id"])
+        r.metadata.src_node_id: cast(int, r.content.config_records["info"]["partition-id"])
         for r in replies
         if r.has_content()
     }
@@ -67,8 +70,7 @@ def discover_partitions(grid: Grid, expected: int, timeout_s: float = 300.0) -> 
 
 def make_strategy(cfg: DictConfig) -> ServerStrategy:
     """The configured strategy's server half."""
-    values = OmegaConf.to_container(cfg.strategy, resolve=True)
-    assert isinstance(values, dict)
+    values = plain(cfg.strategy)
     spec = get_strategy(str(values["name"]))
     return spec.server(
         spec.make_params(values),
@@ -168,23 +170,24 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _system_options(cfg: DictConfig) -> dict[str, Any]:
-    options = OmegaConf.to_container(cfg.system, resolve=True)
-    assert isinstance(options, dict)
+    options = plain(cfg.system)
     options.pop("name", None)
     return options
 
 
-def _reachable(clock: VirtualClock, partitions: dict[int, int], rnd: int, nodes: list[int]) -> list[int]:
+def _reachable(
+    clock: VirtualClock, partitions: dict[int, int], rnd: int, nodes: list[int]
+) -> list[int]:
     up = set(clock.available(rnd, range(len(clock.profiles))))
     return [n for n in nodes if partitions.get(n) in up]
 
 
 def _work(reply: Message, partitions: dict[int, int], down: dict[int, int]) -> ClientWork:
     node = reply.metadata.src_node_id
-    metrics = reply.content.metric_records.get("metrics", {})
+    metrics = reply.content.metric_records.get("metrics")
     return ClientWork(
         partition=partitions[node],
-        samples=int(metrics.get("samples", 0)),
+        samples=cast(int, metrics.get("samples", 0)) if metrics else 0,
         down_bytes=down.get(node, 0),
         up_bytes=payload_traffic(reply.content).total,
     )

@@ -32,7 +32,7 @@ class FedProxHooks(ClientHooks):
 
     def before_step(self, model: nn.Module) -> None:
         with torch.no_grad():
-            for p, anchor in zip(model.parameters(), self.anchor):
+            for p, anchor in zip(model.parameters(), self.anchor, strict=True):
                 if p.grad is not None:
                     p.grad.add_(p - anchor, alpha=self.params.mu)
 

@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["LocalGrid", "SERVER_NODE_ID", "run_local"]
+__all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
 
 SERVER_NODE_ID = 0
 CLIENT_EXCEPTION = 3  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION

@@ -1,0 +1,35 @@
+# Two entry points: `make run` (set up, then the main job) and `make test` (set up, then the suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fl-run
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+test-all: $(STAMP)
+	$(BIN)/pytest -m ''
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python experiments/bench_many_clients.py --clients 1000 --rounds 3 --repeats 3
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,67 @@
+"""Resume: a run killed with SIGKILL continues from its checkpoint to the same metrics."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
+
+RUN = [
+    "num_clients=8",
+    "clients_per_round=5",
+    "rounds=40",
+    "local_epochs=1",
+    "system=heterogeneous",
+]
+
+
+def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
+    """Start a run, SIGKILL it once metrics.jsonl has `rows` rows; return rows written."""
+    proc = subprocess.Popen(
+        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
+        cwd=REPO,
+        env=fl_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    return len(metrics.read_text().splitlines())
+
+
+def test_killed_run_resumes_to_identical_metrics(tmp_path):
+    run_fl(tmp_path / "full", *RUN)
+    written = _kill_after_rows(tmp_path / "killed", 3, *RUN)
+    assert 3 <= written < 40
+    run_fl(tmp_path / "killed", *RUN, "resume=true")
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
+    assert [r["round"] for r in resumed] == list(range(1, 41))
+    assert without_wall_time(resumed) == without_wall_time(full)
+    assert (tmp_path / "killed" / "model.pt").read_bytes() == (
+        tmp_path / "full" / "model.pt"
+    ).read_bytes()
+
+
+def test_resume_without_checkpoint_says_where_it_looked(tmp_path):
+    proc = subprocess.run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path}", "resume=true", "rounds=2"),
+        cwd=REPO,
+        env=fl_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert f"no checkpoint at {tmp_path}/checkpoint.pt" in proc.stderr
