@@ -6,23 +6,60 @@ and per-client memory lives in the node's `Context.state`.
 
 from __future__ import annotations
 
-from typing import cast
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from omegaconf import DictConfig
 
 from clients.trainer import TrainSettings, train_locally
 from fl.codec import decode
-from fl.config import from_run_config
-from fl.registry import get_strategy
-from fl.task import get_task
+from fl.config import from_run_config, plain, run_config_key
+from fl.registry import StrategySpec, get_strategy
+from fl.task import Task, get_task
 
 __all__ = ["app"]
 
 app = ClientApp()
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every train call of a run needs, resolved once per process."""
+
+    seed: int
+    task: Task
+    spec: StrategySpec
+    params: Any
+    settings: TrainSettings
+
+
+_SETUPS: dict[str, _Setup] = {}
+
+
+def _make_setup(cfg: DictConfig) -> _Setup:
+    strategy = plain(cfg.strategy)
+    spec = get_strategy(str(strategy["name"]))
+    settings = TrainSettings(
+        local_steps=cfg.local_steps,
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+    )
+    return _Setup(cfg.seed, get_task(cfg), spec, spec.make_params(strategy), settings)
+
+
+def _setup_of(context: Context) -> _Setup:
+    key = run_config_key(context.run_config)
+    if key not in _SETUPS:
+        _SETUPS[key] = _make_setup(from_run_config(context.run_config))
+    return _SETUPS[key]
 
 
 def _partition(context: Context) -> int:
@@ -32,35 +69,24 @@ def _partition(context: Context) -> int:
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Tell the server which data partition this node holds."""
-    return Message(
-        RecordDict({"info": ConfigRecord({"partition-id": _partition(context)})}), reply_to=msg
-    )
+    record = ConfigRecord({"partition-id": _partition(context)})
+    return Message(RecordDict({"info": record}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training; the strategy's hooks shape it and encode the reply."""
-    cfg = from_run_config(context.run_config)
-    task = get_task(cfg)
+    setup = _setup_of(context)
     partition = _partition(context)
-    strategy = dict(cfg.strategy)
-    spec = get_strategy(str(strategy["name"]))
-    hooks = spec.client(spec.make_params(strategy))
-    model, layout = task.model(), task.layout
+    hooks = setup.spec.client(setup.params)
+    model, layout = setup.task.model(), setup.task.layout
     config = msg.content.config_records["config"]
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
-    x, y = task.client_data(partition)
     server_round = cast(int, config["server-round"])
-    settings = TrainSettings(
-        local_steps=int(config.get("local-steps", cfg.local_steps)),
-        local_epochs=cfg.local_epochs,
-        batch_size=int(config.get("batch-size", cfg.batch_size)),
-        lr=float(config.get("lr", cfg.lr)),
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        seed=int(np.random.SeedSequence([cfg.seed, server_round, partition]).generate_state(1)[0]),
-    )
+    seed = np.random.SeedSequence([setup.seed, server_round, partition]).generate_state(1)[0]
+    settings = replace(setup.settings, seed=int(seed))
+    x, y = setup.task.client_data(partition)
     result = train_locally(model, x, y, hooks, settings)
     records, extra = hooks.end(model, context.state, layout)
     metrics = MetricRecord(
@@ -79,10 +105,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Accuracy and loss of the received model on this client's training data."""
-    cfg = from_run_config(context.run_config)
-    task = get_task(cfg)
+    task = _setup_of(context).task
     model, layout = task.model(), task.layout
-    model.load_state_dict(layout.unflatten(decode(msg.content, layout)))
+    layout.load_into(model, decode(msg.content, layout))
     x, y = task.client_data(_partition(context))
     model.eval()
     with torch.no_grad():

@@ -22,6 +22,7 @@ __all__ = [
     "ConfigError",
     "compose",
     "plain",
+    "run_config_key",
     "from_run_config",
     "to_run_config",
     "validate",
@@ -76,6 +77,13 @@ def _compose_cached(overrides: str) -> DictConfig:
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=False))
     values.pop("hydra", None)
     return OmegaConf.create(values)
+
+
+def run_config_key(run_config: Mapping[str, Any]) -> str:
+    """A string that identifies a run's config (for per-process caches)."""
+    if RUN_CONFIG_KEY in run_config:
+        return RUN_CONFIG_KEY + ":" + str(run_config[RUN_CONFIG_KEY])
+    return "overrides:" + str(run_config.get("overrides", ""))
 
 
 def from_run_config(run_config: Mapping[str, Any]) -> DictConfig:

@@ -32,8 +32,7 @@ class ClientHooks:
         self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout
     ) -> None:
         """Put the global model the server sent into `model`."""
-        vector = decode(content, layout)
-        model.load_state_dict(layout.unflatten(vector))
+        layout.load_into(model, decode(content, layout))
 
     def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
         """Called once the global model is loaded, before the first local step."""

@@ -2,18 +2,37 @@
 
 Aggregation, masks and codecs all work on one flat float vector per model; `Layout`
 remembers names, shapes and dtypes so the vector can become a state_dict again.
+
+Flower's `Array` holds `np.save` bytes and reads them back with `np.load`, which
+parses a Python-literal header per tensor: for small models that costs more than the
+training step. We write the same `.npy` bytes from a cached header and read them with
+`np.frombuffer`, so the wire format is unchanged and any Flower peer can read it.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import Array, ArrayRecord
+from torch import nn
 
-__all__ = ["Layout", "arrays_to_vector", "vector_to_arrays"]
+__all__ = ["Layout", "array_to_numpy", "arrays_to_vector", "numpy_to_array", "vector_to_arrays"]
+
+NUMPY = "numpy.ndarray"  # Flower's SType for np.save payloads
+_NUMPY_DTYPES = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.float16: np.dtype(np.float16),
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,13 @@ class Layout:
             )
         }
 
+    def load_into(self, model: nn.Module, vector: torch.Tensor) -> None:
+        """Copy `vector` into the model's parameters and buffers in place."""
+        state = model.state_dict()
+        with torch.no_grad():
+            for name, part in zip(self.names, torch.split(vector, list(self.sizes)), strict=True):
+                state[name].copy_(part.view(state[name].shape))
+
     def check(self, state: Mapping[str, torch.Tensor]) -> None:
         """Raise ValueError naming the first key, shape or dtype that does not match."""
         missing = [n for n in self.names if n not in state]
@@ -71,12 +97,63 @@ class Layout:
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
 
 
+@lru_cache(maxsize=1024)
+def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    buffer = io.BytesIO()
+    header = {"descr": descr, "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)  # type: ignore[no-untyped-call]
+    return buffer.getvalue()
+
+
+def numpy_to_array(value: np.ndarray) -> Array:
+    """Flower Array holding exactly what `np.save` would write, without its overhead."""
+    if not value.flags.c_contiguous:
+        value = value.copy(order="C")
+    header = _npy_header(np.lib.format.dtype_to_descr(value.dtype), value.shape)
+    return Array(str(value.dtype), tuple(value.shape), NUMPY, header + value.tobytes())
+
+
+def array_to_numpy(array: Array) -> np.ndarray:
+    """The ndarray of a Flower Array; reads C-ordered `.npy` bytes without parsing literals."""
+    data = array.data
+    if array.stype != NUMPY or data[:6] != b"\x93NUMPY":
+        raise ValueError(f"array is not a .npy payload (stype {array.stype!r})")
+    if data[6] == 1:
+        start = 10 + int.from_bytes(data[8:10], "little")
+    else:
+        start = 12 + int.from_bytes(data[8:12], "little")
+    if b"'fortran_order': False" not in data[:start]:
+        return array.numpy()
+    count = int(np.prod(array.shape))
+    dtype = np.dtype(array.dtype)
+    if len(data) - start != count * dtype.itemsize:
+        raise ValueError(f"array holds {len(data) - start} bytes, shape {array.shape} needs more")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(array.shape)
+
+
 def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
     """Flat float32 vector of a dense ArrayRecord, checked against `layout`."""
-    state = {name: torch.from_numpy(arrays[name].numpy()) for name in arrays}
-    return layout.flatten(state)
+    missing = [n for n in layout.names if n not in arrays]
+    extra = [n for n in arrays if n not in layout.names]
+    if missing or extra:
+        raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
+    parts = []
+    for name, shape in zip(layout.names, layout.shapes, strict=True):
+        value = array_to_numpy(arrays[name])
+        if value.shape != shape:
+            raise ValueError(f"{name}: shape {value.shape}, expected {shape}")
+        parts.append(value.reshape(-1))
+    return torch.from_numpy(np.concatenate(parts, dtype=np.float32))
 
 
 def vector_to_arrays(vector: torch.Tensor, layout: Layout) -> ArrayRecord:
     """Dense ArrayRecord (one Array per tensor, Flower-compatible) of a flat vector."""
-    return ArrayRecord({k: v.contiguous() for k, v in layout.unflatten(vector).items()})
+    flat = vector.detach().cpu().numpy()
+    out, start = {}, 0
+    for name, shape, size, dtype in zip(
+        layout.names, layout.shapes, layout.sizes, layout.dtypes, strict=True
+    ):
+        part = flat[start : start + size].reshape(shape)
+        out[name] = numpy_to_array(part.astype(_NUMPY_DTYPES.get(dtype, part.dtype), copy=False))
+        start += size
+    return ArrayRecord(out)

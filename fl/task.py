@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ class Task:
         model: nn.Module = self._local.model
         return model
 
-    @property
+    @cached_property
     def layout(self) -> Layout:
         """Layout of the model's state_dict."""
         return Layout.of(self.model().state_dict())
