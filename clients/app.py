@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -20,6 +19,7 @@ from clients.trainer import TrainSettings, train_locally
 from fl.codec import decode
 from fl.config import from_run_config, plain, run_config_key
 from fl.registry import StrategySpec, get_strategy
+from fl.seeding import derive_seed
 from fl.task import Task, get_task
 
 __all__ = ["app"]
@@ -84,8 +84,7 @@ def train(msg: Message, context: Context) -> Message:
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
-    seed = np.random.SeedSequence([setup.seed, server_round, partition]).generate_state(1)[0]
-    settings = replace(setup.settings, seed=int(seed))
+    settings = replace(setup.settings, seed=derive_seed(setup.seed, server_round, partition))
     x, y = setup.task.client_data(partition)
     result = train_locally(model, x, y, hooks, settings)
     records, extra = hooks.end(model, context.state, layout)

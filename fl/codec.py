@@ -16,15 +16,24 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fl.records import Layout, arrays_to_vector, vector_to_arrays
+from fl.records import (
+    Layout,
+    array_to_numpy,
+    arrays_to_vector,
+    numpy_to_array,
+    vector_to_arrays,
+)
 
 __all__ = [
     "CodecError",
     "Traffic",
+    "bitmap",
     "decode",
     "encode_dense",
     "encode_masked",
     "payload_traffic",
+    "unpack_bitmap",
+    "with_control_bitmap",
 ]
 
 ARRAYS, CODEC = "arrays", "codec"
@@ -68,14 +77,38 @@ def encode_masked(
     otherwise the receiver must already hold the same mask.
     """
     values = vector[mask].contiguous()
-    arrays = ArrayRecord({"values": values})
+    arrays = ArrayRecord({"values": numpy_to_array(values.numpy())})
     control = 0
     if ship_mask:
-        bits = np.packbits(mask.numpy().astype(np.uint8))
-        arrays["mask"] = Array(bits)
-        control = int(bits.nbytes)
+        arrays["mask"] = bitmap(mask)
+        control = len(arrays["mask"].numpy())
     traffic = Traffic(4 * int(values.numel()), control)
     return {ARRAYS: arrays, CODEC: _codec_record("masked", traffic)}
+
+
+def bitmap(mask: torch.Tensor) -> Array:
+    """A boolean mask packed 8 scalars to a byte (d/8 bytes on the link)."""
+    return numpy_to_array(np.packbits(mask.numpy().astype(np.uint8)))
+
+
+def unpack_bitmap(array: Array, numel: int) -> torch.Tensor:
+    """The boolean mask of `numel` scalars packed by `bitmap`."""
+    bits = array_to_numpy(array)
+    if bits.dtype != np.uint8 or bits.size != -(-numel // 8):
+        raise CodecError(f"bitmap of {bits.size} bytes cannot hold {numel} scalars")
+    return torch.from_numpy(np.unpackbits(bits)[:numel].astype(bool))
+
+
+def with_control_bitmap(
+    records: dict[str, ArrayRecord | ConfigRecord], key: str, mask: torch.Tensor
+) -> dict[str, ArrayRecord | ConfigRecord]:
+    """`records` plus a bitmap under `key`, its bytes counted as control traffic."""
+    array = bitmap(mask)
+    codec = records[CODEC]
+    assert isinstance(codec, ConfigRecord)
+    control = cast(int, codec["control-bytes"]) + len(array_to_numpy(array))
+    counted = ConfigRecord({**codec, "control-bytes": control})
+    return {**records, key: ArrayRecord({"bits": array}), CODEC: counted}
 
 
 def decode(
@@ -103,11 +136,10 @@ def decode(
         if base is None:
             raise CodecError("masked payload needs the receiver's base vector")
         if "mask" in arrays:
-            bits = arrays["mask"].numpy()
-            mask = torch.from_numpy(np.unpackbits(bits)[: layout.numel].astype(bool))
+            mask = unpack_bitmap(arrays["mask"], layout.numel)
         if mask is None:
             raise CodecError("masked payload carries no mask and the receiver has none")
-        values = torch.from_numpy(arrays["values"].numpy()).reshape(-1).float()
+        values = torch.from_numpy(array_to_numpy(arrays["values"]).copy()).reshape(-1).float()
         if values.numel() != int(mask.sum()):
             raise CodecError(f"masked payload has {values.numel()} values for {int(mask.sum())}")
         out = base.clone()

@@ -24,7 +24,7 @@ from torch import nn
 __all__ = ["Layout", "array_to_numpy", "arrays_to_vector", "numpy_to_array", "vector_to_arrays"]
 
 NUMPY = "numpy.ndarray"  # Flower's SType for np.save payloads
-_NUMPY_DTYPES = {
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
     torch.float16: np.dtype(np.float16),
@@ -101,7 +101,7 @@ class Layout:
 def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
     buffer = io.BytesIO()
     header = {"descr": descr, "fortran_order": False, "shape": shape}
-    np.lib.format.write_array_header_1_0(buffer, header)  # type: ignore[no-untyped-call]
+    np.lib.format.write_array_header_1_0(buffer, header)
     return buffer.getvalue()
 
 
@@ -109,7 +109,7 @@ def numpy_to_array(value: np.ndarray) -> Array:
     """Flower Array holding exactly what `np.save` would write, without its overhead."""
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
-    header = _npy_header(np.lib.format.dtype_to_descr(value.dtype), value.shape)
+    header = _npy_header(str(np.lib.format.dtype_to_descr(value.dtype)), tuple(value.shape))
     return Array(str(value.dtype), tuple(value.shape), NUMPY, header + value.tobytes())
 
 
@@ -154,6 +154,7 @@ def vector_to_arrays(vector: torch.Tensor, layout: Layout) -> ArrayRecord:
         layout.names, layout.shapes, layout.sizes, layout.dtypes, strict=True
     ):
         part = flat[start : start + size].reshape(shape)
-        out[name] = numpy_to_array(part.astype(_NUMPY_DTYPES.get(dtype, part.dtype), copy=False))
+        target: np.dtype = _NUMPY_DTYPES.get(dtype, part.dtype)
+        out[name] = numpy_to_array(part.astype(target, copy=False))
         start += size
     return ArrayRecord(out)

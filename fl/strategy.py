@@ -79,6 +79,9 @@ class ServerStrategy(FedAvg):
         picked = rng.choice(len(candidates), size=k, replace=False)
         return sorted(candidates[i] for i in picked)
 
+    def on_round_start(self, server_round: int) -> None:
+        """Called once per round, after the global model is known, before any message."""
+
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         """Algorithm keys added to one node's ConfigRecord."""
         return {}
@@ -95,6 +98,7 @@ class ServerStrategy(FedAvg):
             self.layout = Layout.of(arrays.to_torch_state_dict())
         self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
         self._dense_payload = encode_dense(self.global_vector, self.layout)
+        self.on_round_start(server_round)
         nodes = sorted(grid.get_node_ids())
         chosen = self.select(server_round, self.reachable(server_round, nodes))
         self.stats = RoundStats(sent=len(chosen))

@@ -31,6 +31,8 @@ def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict
         "best_accuracy": max(r["accuracy"] for r in rows),
         "total_bytes_up": last["cum_bytes_up"],
         "total_bytes_down": last["cum_bytes_down"],
+        "total_payload_bytes_up": last["cum_payload_bytes_up"],
+        "total_payload_bytes_down": last["cum_payload_bytes_down"],
         "virtual_time_s": last["virtual_time_s"],
         "wall_time_s": last["wall_time_s"],
     }

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fl.clock import ClientWork, VirtualClock, build_profiles
-from fl.codec import payload_traffic
+from fl.codec import Traffic, payload_traffic
 from fl.config import plain
 from fl.registry import get_strategy
 from fl.strategy import ServerStrategy
@@ -44,6 +44,8 @@ class Progress:
     wall_time_s: float = 0.0
     cum_bytes_up: int = 0
     cum_bytes_down: int = 0
+    cum_payload_bytes_up: int = 0
+    cum_payload_bytes_down: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,21 +119,28 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     for server_round in range(progress.round + 1, cfg.rounds + 1):
         started = time.perf_counter()
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-        down = {m.metadata.dst_node_id: payload_traffic(m.content).total for m in messages}
+        down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout_s))
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         arrays = new_arrays if new_arrays is not None else arrays
         accuracy, loss = evaluate_global(task, arrays)
 
-        work = [_work(r, partitions, down) for r in replies if r.has_content()]
+        up = {
+            r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
+        }
+        work = [_work(r, partitions, down, up) for r in replies if r.has_content()]
         round_time = clock.advance(work)
-        bytes_up = sum(w.up_bytes for w in work)
-        bytes_down = sum(down.values())
+        bytes_up = sum(t.total for t in up.values())
+        bytes_down = sum(t.total for t in down.values())
+        payload_up = sum(t.payload for t in up.values())
+        payload_down = sum(t.payload for t in down.values())
         progress.round = server_round
         progress.virtual_time_s = clock.now
         progress.wall_time_s += time.perf_counter() - started
         progress.cum_bytes_up += bytes_up
         progress.cum_bytes_down += bytes_down
+        progress.cum_payload_bytes_up += payload_up
+        progress.cum_payload_bytes_down += payload_down
         row = {
             "round": server_round,
             "accuracy": accuracy,
@@ -140,6 +149,10 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "bytes_down": bytes_down,
             "cum_bytes_up": progress.cum_bytes_up,
             "cum_bytes_down": progress.cum_bytes_down,
+            "payload_bytes_up": payload_up,
+            "payload_bytes_down": payload_down,
+            "cum_payload_bytes_up": progress.cum_payload_bytes_up,
+            "cum_payload_bytes_down": progress.cum_payload_bytes_down,
             "clients": len(messages),
             "replies": len(work),
             "round_time_s": round_time,
@@ -182,12 +195,14 @@ def _reachable(
     return [n for n in nodes if partitions.get(n) in up]
 
 
-def _work(reply: Message, partitions: dict[int, int], down: dict[int, int]) -> ClientWork:
+def _work(
+    reply: Message, partitions: dict[int, int], down: dict[int, Traffic], up: dict[int, Traffic]
+) -> ClientWork:
     node = reply.metadata.src_node_id
     metrics = reply.content.metric_records.get("metrics")
     return ClientWork(
         partition=partitions[node],
         samples=cast(int, metrics.get("samples", 0)) if metrics else 0,
-        down_bytes=down.get(node, 0),
-        up_bytes=payload_traffic(reply.content).total,
+        down_bytes=down[node].total if node in down else 0,
+        up_bytes=up[node].total,
     )

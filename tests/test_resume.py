@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
 
 RUN = [
@@ -41,11 +42,21 @@ def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
     return len(metrics.read_text().splitlines())
 
 
-def test_killed_run_resumes_to_identical_metrics(tmp_path):
-    run_fl(tmp_path / "full", *RUN)
-    written = _kill_after_rows(tmp_path / "killed", 3, *RUN)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["strategy=fedavg"],
+        # stateful on both sides: freezing state on the server, synced copies on clients
+        ["strategy=apf", "strategy.ema_alpha=0.5", "strategy.threshold=0.3"],
+    ],
+    ids=["fedavg", "apf"],
+)
+def test_killed_run_resumes_to_identical_metrics(tmp_path, strategy):
+    run = [*RUN, *strategy]
+    run_fl(tmp_path / "full", *run)
+    written = _kill_after_rows(tmp_path / "killed", 3, *run)
     assert 3 <= written < 40
-    run_fl(tmp_path / "killed", *RUN, "resume=true")
+    run_fl(tmp_path / "killed", *run, "resume=true")
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
     assert [r["round"] for r in resumed] == list(range(1, 41))
     assert without_wall_time(resumed) == without_wall_time(full)
