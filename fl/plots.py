@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-__all__ = ["plot_run", "plot_runs"]
+__all__ = ["plot_diagnostic", "plot_run", "plot_runs"]
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -40,3 +40,18 @@ def plot_runs(runs: Mapping[str, Rows], path: Path, *, title: str = "") -> None:
 def plot_run(rows: Rows, path: Path, *, title: str = "") -> None:
     """The three panels for a single run."""
     plot_runs({title or "run": rows}, path, title=title)
+
+
+def plot_diagnostic(runs: Mapping[str, Rows], key: str, path: Path, *, title: str = "") -> None:
+    """One strategy diagnostic (e.g. frozen_fraction) against rounds, one line per run."""
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    for label, rows in runs.items():
+        points = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
