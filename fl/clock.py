@@ -7,12 +7,20 @@ round lasts as long as its slowest selected client's download + compute + upload
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-__all__ = ["ClientWork", "DeviceProfile", "VirtualClock", "build_profiles"]
+__all__ = [
+    "ClientSeconds",
+    "ClientWork",
+    "DeviceProfile",
+    "VirtualClock",
+    "build_profiles",
+    "sequential_seconds",
+]
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
@@ -43,6 +51,15 @@ class ClientWork:
     samples: int
     down_bytes: int
     up_bytes: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)  # the reply's metrics
+
+
+ClientSeconds = Callable[[DeviceProfile, ClientWork], float]
+
+
+def sequential_seconds(profile: DeviceProfile, work: ClientWork) -> float:
+    """Download, then train, then upload: no overlap (FedAvg and most strategies)."""
+    return profile.seconds(work.samples, work.down_bytes, work.up_bytes)
 
 
 def _spread(rng: np.random.Generator, base: float, ratio: float, n: int) -> np.ndarray:
@@ -88,15 +105,20 @@ class VirtualClock:
         draws = np.random.default_rng([self.seed, server_round, 0xA7A1]).random(len(self.profiles))
         return [p for p in partitions if draws[p] < self.profiles[p].availability]
 
-    def round_seconds(self, work: Iterable[ClientWork]) -> float:
-        """Duration of a synchronous round: its slowest client's round trip."""
-        return max(
-            (self.profiles[w.partition].seconds(w.samples, w.down_bytes, w.up_bytes) for w in work),
-            default=0.0,
-        )
+    def round_seconds(
+        self, work: Iterable[ClientWork], client_seconds: ClientSeconds = sequential_seconds
+    ) -> float:
+        """Duration of a synchronous round: its slowest client's round trip.
 
-    def advance(self, work: Iterable[ClientWork]) -> float:
+        `client_seconds` lets a strategy that overlaps communication with computation
+        (PAS, FedCA) say how long one client's round really takes.
+        """
+        return max((client_seconds(self.profiles[w.partition], w) for w in work), default=0.0)
+
+    def advance(
+        self, work: Iterable[ClientWork], client_seconds: ClientSeconds = sequential_seconds
+    ) -> float:
         """Advance by one synchronous round; return its duration."""
-        duration = self.round_seconds(work)
+        duration = self.round_seconds(work, client_seconds)
         self.now += duration
         return duration

@@ -63,9 +63,9 @@ class Layout:
         return sum(self.sizes)
 
     def flatten(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """One float32 vector holding every tensor of `state`, in layout order."""
+        """One float32 CPU vector holding every tensor of `state`, in layout order."""
         self.check(state)
-        return torch.cat([state[n].detach().reshape(-1).float() for n in self.names])
+        return torch.cat([state[n].detach().reshape(-1).float().cpu() for n in self.names])
 
     def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state_dict whose flat form is `vector` (views where dtypes allow)."""

@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fl.clock import ClientWork, DeviceProfile, sequential_seconds
 from fl.codec import CodecError, decode, encode_dense
 from fl.records import Layout, vector_to_arrays
 
@@ -179,6 +180,10 @@ class ServerStrategy(FedAvg):
         mean_loss = sum(float(u.metrics.get("train-loss", 0.0)) * u.num_examples for u in updates)
         metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
         return vector_to_arrays(self.global_vector, self.layout), metrics
+
+    def client_seconds(self, profile: DeviceProfile, work: ClientWork) -> float:
+        """Virtual seconds one client's round takes; override to credit overlap."""
+        return sequential_seconds(profile, work)
 
     # ----- diagnostics and resume -------------------------------------------------------
     def diagnostics(self) -> dict[str, Any]:
