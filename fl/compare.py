@@ -46,6 +46,8 @@ def _table(runs: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> str:
     ref_total = ref["total_bytes_up"] + ref["total_bytes_down"]
     ref_payload = ref["total_payload_bytes_up"] + ref["total_payload_bytes_down"]
     present = [k for k in DIAGNOSTICS if any(_mean(rows, k) is not None for _, rows, _ in runs)]
+    target = ref.get("target_accuracy")
+    to_target = [f"rounds to {target}", f"MB to {target}"] if target is not None else []
     head = [
         "run",
         "final acc",
@@ -55,6 +57,7 @@ def _table(runs: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> str:
         "traffic MB (payload only)",
         "vs ref",
         "virtual time s",
+        *to_target,
         *[f"mean {k}" for k in present],
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -71,6 +74,9 @@ def _table(runs: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> str:
             f"{payload / ref_payload:.1%}",
             f"{s['virtual_time_s']:.1f}",
         ]
+        if to_target:
+            hit = s.get("bytes_to_target")
+            cells += [str(s.get("rounds_to_target")), f"{hit / 1e6:.1f}" if hit else "not reached"]
         cells += [f"{_mean(rows, k):.3f}" if _mean(rows, k) is not None else "-" for k in present]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -12,16 +12,24 @@ training step. We write the same `.npy` bytes from a cached header and read them
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
-__all__ = ["Layout", "array_to_numpy", "arrays_to_vector", "numpy_to_array", "vector_to_arrays"]
+__all__ = [
+    "Layout",
+    "array_to_numpy",
+    "arrays_to_vector",
+    "numpy_to_array",
+    "vector_to_arrays",
+    "wire_dtype",
+]
 
 NUMPY = "numpy.ndarray"  # Flower's SType for np.save payloads
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -33,6 +41,7 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.uint8: np.dtype(np.uint8),
     torch.bool: np.dtype(np.bool_),
 }
+_NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: nothing that needs parsing
 
 
 @dataclass(frozen=True)
@@ -52,12 +61,12 @@ class Layout:
             tuple(t.dtype for t in state.values()),
         )
 
-    @property
+    @cached_property
     def sizes(self) -> tuple[int, ...]:
         """Number of scalars of each tensor."""
         return tuple(int(np.prod(s)) for s in self.shapes)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         """Number of scalars in the whole model."""
         return sum(self.sizes)
@@ -113,22 +122,67 @@ def numpy_to_array(value: np.ndarray) -> Array:
     return Array(str(value.dtype), tuple(value.shape), NUMPY, header + value.tobytes())
 
 
+def wire_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype a tensor of `dtype` travels as (float32 for types NumPy lacks)."""
+    return _NUMPY_DTYPES.get(dtype, np.dtype(np.float32))
+
+
+def _declared(array: Array) -> tuple[np.dtype, tuple[int, ...]]:
+    """The plain numeric dtype and shape an Array says it holds; ValueError if absurd."""
+    try:
+        dtype = np.dtype(array.dtype)
+        shape = tuple(int(d) for d in array.shape)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"array declares dtype {array.dtype!r}, shape {array.shape!r}") from err
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or min(shape, default=0) < 0:
+        raise ValueError(f"array declares dtype {array.dtype!r}, shape {array.shape!r}")
+    return dtype, shape
+
+
+def _parse_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran_order, dtype, data offset) of a .npy header another writer made."""
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read(stream)
+    except Exception as err:  # untrusted bytes: any parse failure means a bad payload
+        raise ValueError(f"array bytes are not a .npy payload: {err}") from err
+    return tuple(shape), bool(fortran), np.dtype(dtype), stream.tell()
+
+
 def array_to_numpy(array: Array) -> np.ndarray:
-    """The ndarray of a Flower Array; reads C-ordered `.npy` bytes without parsing literals."""
-    data = array.data
-    if array.stype != NUMPY or data[:6] != b"\x93NUMPY":
+    """The ndarray of a Flower Array, read without copies.
+
+    Untrusted input: raises ValueError unless the bytes are a .npy payload holding
+    exactly the plain numeric dtype and shape the Array declares. Our own header (cached)
+    is recognised without parsing; any other writer's is parsed by NumPy's reader.
+    """
+    if array.stype != NUMPY:
         raise ValueError(f"array is not a .npy payload (stype {array.stype!r})")
-    if data[6] == 1:
-        start = 10 + int.from_bytes(data[8:10], "little")
+    dtype, shape = _declared(array)
+    data = array.data
+    header = _npy_header(str(np.lib.format.dtype_to_descr(dtype)), shape)
+    fortran = False
+    if data.startswith(header):
+        start = len(header)
     else:
-        start = 12 + int.from_bytes(data[8:12], "little")
-    if b"'fortran_order': False" not in data[:start]:
-        return array.numpy()
-    count = int(np.prod(array.shape))
-    dtype = np.dtype(array.dtype)
+        found, fortran, found_dtype, start = _parse_header(data)
+        if found != shape or found_dtype != dtype:
+            raise ValueError(
+                f"array bytes hold {found_dtype} {found}, the array declares {dtype} {shape}"
+            )
+    count = math.prod(shape)
     if len(data) - start != count * dtype.itemsize:
-        raise ValueError(f"array holds {len(data) - start} bytes, shape {array.shape} needs more")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(array.shape)
+        raise ValueError(
+            f"array holds {len(data) - start} bytes, {dtype} {shape} needs {count * dtype.itemsize}"
+        )
+    value = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return value.reshape(shape, order="F" if fortran else "C")
 
 
 def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
@@ -138,10 +192,12 @@ def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
     if missing or extra:
         raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
     parts = []
-    for name, shape in zip(layout.names, layout.shapes, strict=True):
+    for name, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
         value = array_to_numpy(arrays[name])
         if value.shape != shape:
             raise ValueError(f"{name}: shape {value.shape}, expected {shape}")
+        if value.dtype != wire_dtype(dtype):
+            raise ValueError(f"{name}: dtype {value.dtype}, expected {wire_dtype(dtype)}")
         parts.append(value.reshape(-1))
     return torch.from_numpy(np.concatenate(parts, dtype=np.float32))
 
@@ -154,7 +210,6 @@ def vector_to_arrays(vector: torch.Tensor, layout: Layout) -> ArrayRecord:
         layout.names, layout.shapes, layout.sizes, layout.dtypes, strict=True
     ):
         part = flat[start : start + size].reshape(shape)
-        target: np.dtype = _NUMPY_DTYPES.get(dtype, part.dtype)
-        out[name] = numpy_to_array(part.astype(target, copy=False))
+        out[name] = numpy_to_array(part.astype(wire_dtype(dtype), copy=False))
         start += size
     return ArrayRecord(out)

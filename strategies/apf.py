@@ -25,7 +25,6 @@ from torch import nn
 from fl.codec import (
     bitmap,
     decode,
-    encode_dense,
     encode_masked,
     unpack_bitmap,
     with_control_bitmap,
@@ -145,20 +144,21 @@ class APFServer(ServerStrategy):
         self.replied: dict[int, int] = {}  # node -> last round it replied in
 
     def on_round_start(self, server_round: int) -> None:
+        """Encode this round's two payloads once: the masked pull and the full resync."""
         if self.freezing is None:
             self.freezing = FreezingState.fresh(self.global_vector, self.params)
             self.trained_mask = self.freezing.active.clone()
+        mask = self.freezing.active
+        pull = encode_masked(self.global_vector, self.trained_mask, ship_mask=False)
+        if not torch.equal(mask, self.trained_mask):
+            pull = with_control_bitmap(pull, MASK, mask)
+        self._pull = pull
+        self._resync = with_control_bitmap(self._dense_payload, MASK, mask)
 
     def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
-        assert self.freezing is not None and self.layout is not None
-        mask = self.freezing.active
-        if self.replied.get(node_id) == server_round - 1:
-            values = encode_masked(self.global_vector, self.trained_mask, ship_mask=False)
-            payload = dict(values)
-            if not torch.equal(mask, self.trained_mask):
-                payload = with_control_bitmap(payload, MASK, mask)
-            return payload
-        return with_control_bitmap(encode_dense(self.global_vector, self.layout), MASK, mask)
+        """Only last round's trained values to a node that replied then; else everything."""
+        in_sync = self.replied.get(node_id) == server_round - 1
+        return self._pull if in_sync else self._resync
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         in_sync = self.replied.get(node_id) == server_round - 1

@@ -45,3 +45,17 @@ def test_table_reports_traffic_relative_to_first_run(tmp_path):
     assert apf.endswith("| 0.750 |") and fedavg.endswith("| - |")
     for name in ("comparison.md", "comparison.png", "frozen_fraction.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_table_reports_rounds_and_traffic_to_target(tmp_path):
+    _fake_run(tmp_path / "0", "strategy=fedavg", 4_000_000, 4_000_000)
+    _fake_run(tmp_path / "1", "strategy=apf", 1_100_000, 1_000_000)
+    for name, rounds, hit in (("0", 2, 4_000_000), ("1", None, None)):
+        path = tmp_path / name / "summary.json"
+        summary = json.loads(path.read_text())
+        summary |= {"target_accuracy": 0.9, "rounds_to_target": rounds, "bytes_to_target": hit}
+        path.write_text(json.dumps(summary))
+    table = compare_runs([tmp_path / "0", tmp_path / "1"], tmp_path, "t")
+    header, _, fedavg, apf = table.splitlines()[:4]
+    assert "| rounds to 0.9 | MB to 0.9 |" in header
+    assert "| 2 | 4.0 |" in fedavg and "| None | not reached |" in apf
