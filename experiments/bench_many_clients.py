@@ -1,0 +1,577 @@
+"""Many-client FedAvg benchmark: plain PyTorch loop vs our local engine vs vanilla Flower."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+ARMS = ("plain", "ours", "flower")
+SEED = 0  # conf/config.yaml's seed
+DIM, NUM_CLASSES, SAMPLES_PER_DEVICE, HIDDEN = 20, 2, 60, (32,)
+BATCH_SIZE, LOCAL_EPOCHS = 16, 1
+SAMPLE_EVERY_S = 0.2
+PR_SET_CHILD_SUBREAPER = 36
+OFFLINE_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+# ----- the workload, shared by the plain arm and the Flower ClientApp -----------------------
+
+
+def config_lr() -> float:
+    """The learning rate our framework uses by default (conf/config.yaml)."""
+    from omegaconf import OmegaConf
+
+    return float(OmegaConf.load(REPO / "conf" / "config.yaml").lr)
+
+
+@lru_cache(maxsize=2)
+def workload(clients: int) -> tuple[Any, list[np.ndarray]]:
+    """The synthetic dataset with one natural partition per client, built once per process."""
+    from fl.data import load_dataset
+    from fl.partition import partition_indices
+
+    data = load_dataset(
+        "synthetic",
+        seed=SEED,
+        num_devices=clients,
+        dim=DIM,
+        num_classes=NUM_CLASSES,
+        samples_per_device=SAMPLES_PER_DEVICE,
+    )
+    parts = partition_indices(
+        data.y_train.numpy(), clients, "natural", seed=SEED, groups=data.groups
+    )
+    return data, parts
+
+
+def initial_model() -> Any:
+    """The MLP 20-32-2 with the initial weights our engine starts from (seeded build)."""
+    import torch
+
+    from fl.models import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return build_model("mlp", (DIM,), NUM_CLASSES, hidden=HIDDEN)
+
+
+def client_seed(server_round: int, partition: int) -> int:
+    """The per-client shuffle seed our ClientApp derives, so all arms see the same batches."""
+    return int(np.random.SeedSequence([SEED, server_round, partition]).generate_state(1)[0])
+
+
+def train_one_client(
+    model: Any, x: Any, y: Any, lr: float, server_round: int, partition: int
+) -> None:
+    """One epoch of minibatch SGD over (x, y), in place, batches from a seeded permutation."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(client_seed(server_round, partition))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(LOCAL_EPOCHS):
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y), BATCH_SIZE):
+            batch = order[start : start + BATCH_SIZE]
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+
+
+def test_accuracy(model: Any, data: Any) -> float:
+    """Accuracy of `model` on the synthetic test split."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+
+
+# ----- arm workers (run in their own process) -----------------------------------------------
+
+
+def plain_worker(clients: int, rounds: int, result: Path) -> None:
+    """Arm `plain`: for each round, each client in order: load, train, collect; then average."""
+    import torch
+
+    torch.set_num_threads(1)  # as our engine (engine.torch_threads=1)
+    lr = config_lr()
+    data, parts = workload(clients)
+    model = initial_model()
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    started = time.perf_counter()
+    for server_round in range(1, rounds + 1):
+        states, weights = [], []
+        for partition, index in enumerate(parts):
+            model.load_state_dict(global_state)
+            idx = torch.from_numpy(index)
+            x, y = data.x_train[idx], data.y_train[idx]
+            train_one_client(model, x, y, lr, server_round, partition)
+            states.append(torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()]))
+            weights.append(len(y))
+        w = torch.tensor(weights, dtype=torch.float64)
+        mean = ((w / w.sum()) @ torch.stack(states).double()).float()
+        parts_flat = torch.split(mean, [v.numel() for v in global_state.values()])
+        global_state = {
+            k: p.reshape(v.shape).clone()
+            for (k, v), p in zip(global_state.items(), parts_flat, strict=True)
+        }
+    train_s = time.perf_counter() - started
+    model.load_state_dict(global_state)
+    accuracy = test_accuracy(model, data)
+    result.write_text(json.dumps({"accuracy": accuracy, "in_process_s": train_s}))
+
+
+def flower_train(msg: Any, context: Any) -> Any:
+    """The vanilla Flower ClientApp's train: load arrays, one epoch of SGD, reply + num-examples.
+
+    Module level, so Ray pickles it by reference and each actor keeps its caches.
+    """
+    import torch
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+    torch.set_num_threads(1)
+    clients = int(context.node_config["num-partitions"])
+    partition = int(context.node_config["partition-id"])
+    data, parts = workload(clients)
+    model = _actor_model()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    idx = torch.from_numpy(parts[partition])
+    x, y = data.x_train[idx], data.y_train[idx]
+    server_round = int(msg.content["config"]["server-round"])
+    train_one_client(model, x, y, _lr(), server_round, partition)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": len(y)}),
+        }
+    )
+    return Message(content=content, reply_to=msg)
+
+
+@lru_cache(maxsize=1)
+def _actor_model() -> Any:
+    """One reusable model per Ray actor process."""
+    return initial_model()
+
+
+@lru_cache(maxsize=1)
+def _lr() -> float:
+    return config_lr()
+
+
+def flower_worker(clients: int, rounds: int, result: Path) -> None:
+    """Arm `flower`: run_simulation of FedAvg.start with 2 Ray actors (1 CPU per client)."""
+    from flwr.app import ArrayRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    client = ClientApp()
+    client.train()(flower_train)
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FedAvg(
+            fraction_train=1.0,
+            fraction_evaluate=0.0,
+            min_available_nodes=clients,
+            min_train_nodes=clients,
+        )
+        model = initial_model()
+        started = time.perf_counter()
+        out = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=rounds
+        )
+        train_s = time.perf_counter() - started
+        model.load_state_dict(out.arrays.to_torch_state_dict())
+        accuracy = test_accuracy(model, workload(clients)[0])
+        result.write_text(json.dumps({"accuracy": accuracy, "in_process_s": train_s}))
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=clients,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
+
+
+# ----- measuring one run --------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One arm's run: what was launched and what it cost."""
+
+    arm: str
+    repeat: int
+    command: list[str]
+    wall_s: float = 0.0
+    returncode: int | None = None
+    peak_rss_mb: float = 0.0
+    peak_pss_mb: float = 0.0
+    cpu_s: float = 0.0  # user + system CPU of the whole process tree
+    load1: float = 0.0  # the machine's 1-minute load average at launch
+    foreign_cpu_s: float = 0.0  # CPU used meanwhile by processes outside this benchmark
+    waited_s: float = 0.0  # how long we waited for the machine to go quiet before launch
+    max_processes: int = 0
+    lingering: int = 0  # descendants still alive when the arm's process exited
+    accuracy: float | None = None
+    in_process_s: float | None = None
+    log: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TreeSampler(threading.Thread):
+    """Samples the summed RSS and PSS, and each process's CPU time, of all our descendants."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.peak_rss = self.peak_pss = 0
+        self.max_processes = 0
+        self.cpu_s: dict[int, float] = {}  # last user + system CPU seen per pid
+
+    def run(self) -> None:
+        me = psutil.Process()
+        while not self.stop.is_set():
+            rss = pss = count = 0
+            for proc in me.children(recursive=True):
+                try:
+                    with proc.oneshot():
+                        info, cpu = proc.memory_full_info(), proc.cpu_times()
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                rss, pss, count = rss + info.rss, pss + info.pss, count + 1
+                self.cpu_s[proc.pid] = cpu.user + cpu.system
+            self.peak_rss = max(self.peak_rss, rss)
+            self.peak_pss = max(self.peak_pss, pss)
+            self.max_processes = max(self.max_processes, count)
+            self.stop.wait(SAMPLE_EVERY_S)
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot, all cores together."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def wait_for_quiet(max_wait_s: float, busy_below: float = 15.0) -> float:
+    """Wait (at most `max_wait_s`) until the machine is nearly idle; returns the seconds waited.
+
+    Other jobs on a shared machine inflate wall times; this keeps them out where it can.
+    """
+    started = time.perf_counter()
+    while time.perf_counter() - started < max_wait_s:
+        if psutil.cpu_percent(interval=1.0) < busy_below:
+            break
+    return time.perf_counter() - started
+
+
+def reap_descendants(timeout_s: float = 5.0) -> int:
+    """Terminate, then kill, every process still below us (Ray daemons); returns how many."""
+    left = psutil.Process().children(recursive=True)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(left, timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return len(left)
+
+
+def measure(run: Run, env: dict[str, str], log_path: Path, timeout_s: float) -> None:
+    """Launch `run.command`, time it to exit and sample its process tree's memory."""
+    sampler = TreeSampler()
+    run.load1 = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy_before, self_before = _busy_cpu_s(), time.process_time()
+    with log_path.open("w") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            run.command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        sampler.start()
+        try:
+            run.returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            run.returncode = proc.wait()
+            run.extra["timed_out"] = True
+        run.wall_s = time.perf_counter() - started
+    sampler.stop.set()
+    sampler.join()
+    run.lingering = reap_descendants()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Reaped descendants are exact; Ray's daemons and actors may never be reaped by their
+    # parents, so their sampled CPU (short by at most one interval each) can be the larger.
+    reaped = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    run.cpu_s = max(reaped, sum(sampler.cpu_s.values()))
+    ours = run.cpu_s + time.process_time() - self_before
+    run.foreign_cpu_s = max(0.0, _busy_cpu_s() - busy_before - ours)
+    run.peak_rss_mb = sampler.peak_rss / 2**20
+    run.peak_pss_mb = sampler.peak_pss / 2**20
+    run.max_processes = sampler.max_processes
+    run.log = str(log_path)
+
+
+def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path) -> list[str]:
+    """The command line of one arm; the flower arm runs in a loopback-only namespace."""
+    python = sys.executable
+    if arm == "ours":
+        return [
+            str(Path(python).parent / "fl-run"),
+            "task=synthetic",
+            "partition=natural",
+            f"num_clients={clients}",
+            f"clients_per_round={clients}",
+            f"rounds={rounds}",
+            f"local_epochs={LOCAL_EPOCHS}",
+            f"batch_size={BATCH_SIZE}",
+            f"task.hidden=[{','.join(map(str, HIDDEN))}]",
+            f"task.options.dim={DIM}",
+            f"task.options.num_classes={NUM_CLASSES}",
+            f"task.options.samples_per_device={SAMPLES_PER_DEVICE}",
+            "progress=false",
+            f"hydra.run.dir={run_dir}",
+        ]
+    worker = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        arm,
+        "--clients",
+        str(clients),
+        "--rounds",
+        str(rounds),
+        "--result",
+        str(result),
+    ]
+    if arm == "flower":
+        quoted = " ".join(f"'{a}'" for a in worker)
+        return ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {quoted}"]
+    return worker
+
+
+def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> Run:
+    """One measured run of `arm`, with its accuracy and in-process time read back."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"bench-{arm}-"))
+    result, run_dir = scratch / "result.json", scratch / "run"
+    run = Run(arm, repeat, arm_command(arm, args.clients, args.rounds, result, run_dir))
+    env = {**os.environ, **OFFLINE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    log_path = log_dir / f"{arm}_n{args.clients}_r{repeat}.log"
+    run.waited_s = wait_for_quiet(args.quiet_wait)
+    measure(run, env, log_path, args.timeout)
+    if arm == "ours" and (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        run.accuracy, run.in_process_s = summary["final_accuracy"], summary["wall_time_s"]
+    elif result.exists():
+        found = json.loads(result.read_text())
+        run.accuracy, run.in_process_s = found["accuracy"], found["in_process_s"]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return run
+
+
+# ----- report -------------------------------------------------------------------------------
+
+
+def summarize(runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """Per arm: medians and ranges over its successful repeats."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        ok = [r for r in runs if r.arm == arm and r.returncode == 0 and r.accuracy is not None]
+        if not ok:
+            continue
+        walls = [r.wall_s for r in ok]
+        inproc = [r.in_process_s for r in ok if r.in_process_s is not None]
+        out[arm] = {
+            "runs": len(ok),
+            "failed": sum(r.arm == arm for r in runs) - len(ok),
+            "wall_s": statistics.median(walls),
+            "wall_min_s": min(walls),
+            "wall_max_s": max(walls),
+            "in_process_s": statistics.median(inproc) if inproc else None,
+            "cpu_s": statistics.median(r.cpu_s for r in ok),
+            "foreign_cpu_s": statistics.median(r.foreign_cpu_s for r in ok),
+            "peak_rss_mb": statistics.median(r.peak_rss_mb for r in ok),
+            "peak_pss_mb": statistics.median(r.peak_pss_mb for r in ok),
+            "processes": max(r.max_processes for r in ok),
+            "accuracy": statistics.median(r.accuracy for r in ok if r.accuracy is not None),
+        }
+    return out
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of the summary, ratios against the plain loop."""
+    base = summary.get("plain")
+    lines = [
+        "| arm | wall s, median (min–max) | in-process s | CPU s | other jobs' CPU s "
+        "| peak RSS MB | peak PSS MB | processes | wall × plain | RSS × plain | test accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, s in summary.items():
+        ratio_wall = f"{s['wall_s'] / base['wall_s']:.2f}" if base else "–"
+        ratio_rss = f"{s['peak_rss_mb'] / base['peak_rss_mb']:.2f}" if base else "–"
+        inproc = f"{s['in_process_s']:.2f}" if s["in_process_s"] is not None else "–"
+        failed = f" ({s['failed']} failed)" if s["failed"] else ""
+        lines.append(
+            f"| {arm}{failed} | {s['wall_s']:.2f} ({s['wall_min_s']:.2f}–{s['wall_max_s']:.2f}) "
+            f"| {inproc} | {s['cpu_s']:.1f} | {s['foreign_cpu_s']:.1f} "
+            f"| {s['peak_rss_mb']:.0f} | {s['peak_pss_mb']:.0f} | {s['processes']} "
+            f"| {ratio_wall} | {ratio_rss} | {s['accuracy']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """The goals, checked against the medians: ours ≤ 1.5× plain, < 1 GB, ≥ 10× Flower."""
+    ours = summary.get("ours")
+    if ours is None:
+        return []
+    lines = []
+    if "plain" in summary:
+        ratio = ours["wall_s"] / summary["plain"]["wall_s"]
+        lines.append(f"ours / plain wall: {ratio:.2f}× (goal ≤ 1.5×: {_ok(ratio <= 1.5)})")
+        if ours["in_process_s"] and summary["plain"]["in_process_s"]:
+            inner = ours["in_process_s"] / summary["plain"]["in_process_s"]
+            lines.append(f"ours / plain in-process: {inner:.2f}× (rounds only, no start-up)")
+        cpu = ours["cpu_s"] / summary["plain"]["cpu_s"]
+        lines.append(f"ours / plain CPU time: {cpu:.2f}× (robust to other jobs on the machine)")
+    rss = ours["peak_rss_mb"]
+    lines.append(f"ours peak RSS: {rss:.0f} MB (goal < 1024 MB: {_ok(rss < 1024)})")
+    if "flower" in summary:
+        speedup = summary["flower"]["wall_s"] / ours["wall_s"]
+        mem = summary["flower"]["peak_rss_mb"] / rss
+        lines.append(
+            f"ours vs flower: {speedup:.1f}× faster, {mem:.1f}× less RSS "
+            f"(goal ≥ 10× faster: {_ok(speedup >= 10)})"
+        )
+    return lines
+
+
+def _ok(passed: bool) -> str:
+    return "met" if passed else "MISSED"
+
+
+def git_state() -> str:
+    """HEAD's short hash, with '+dirty' when tracked files differ from it."""
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+# ----- entry point --------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of arms")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "experiments/out/bench_many_clients.json"
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="before each run, wait up to this many seconds for other jobs to leave the CPUs",
+    )
+    parser.add_argument("--worker", choices=("plain", "flower"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        # Imported by name (not __main__) so Ray actors can unpickle the ClientApp by reference.
+        sys.path.insert(0, str(REPO))
+        bench = importlib.import_module("experiments.bench_many_clients")
+        worker = bench.plain_worker if args.worker == "plain" else bench.flower_worker
+        worker(args.clients, args.rounds, args.result)
+        return
+    # Orphaned Ray daemons re-parent to us, so the tree we sample and reap holds them all.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    git = git_state()  # at launch: other work may commit while the benchmark runs
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out.with_suffix(".logs")
+    log_dir.mkdir(exist_ok=True)
+    runs: list[Run] = []
+    for repeat in range(args.repeats):
+        for arm in arms:  # interleaved, so drift of the machine hits every arm alike
+            run = run_arm(arm, repeat, args, log_dir)
+            runs.append(run)
+            acc = f"{run.accuracy:.4f}" if run.accuracy is not None else "n/a"
+            print(
+                f"[{repeat}] {arm:6s} rc={run.returncode} wall={run.wall_s:7.2f}s "
+                f"rss={run.peak_rss_mb:6.0f}MB pss={run.peak_pss_mb:6.0f}MB "
+                f"cpu={run.cpu_s:6.1f}s procs={run.max_processes} lingering={run.lingering} "
+                f"load={run.load1:.1f} foreign_cpu={run.foreign_cpu_s:.1f}s "
+                f"waited={run.waited_s:.0f}s acc={acc}",
+                flush=True,
+            )
+    summary = summarize(runs)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpus": os.cpu_count(),
+        "git": git,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "summary": summary,
+        "runs": [asdict(r) for r in runs],
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print()
+    print(table(summary))
+    print()
+    for line in verdicts(summary):
+        print(line)
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
