@@ -9,6 +9,7 @@ same way for every strategy whatever the engine actually moves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -28,11 +29,14 @@ __all__ = [
     "CodecError",
     "Traffic",
     "bitmap",
+    "content_bytes",
+    "declared_traffic",
     "decode",
     "encode_dense",
     "encode_masked",
     "payload_traffic",
     "unpack_bitmap",
+    "with_control",
     "with_control_bitmap",
 ]
 
@@ -103,12 +107,18 @@ def with_control_bitmap(
     records: dict[str, ArrayRecord | ConfigRecord], key: str, mask: torch.Tensor
 ) -> dict[str, ArrayRecord | ConfigRecord]:
     """`records` plus a bitmap under `key`, its bytes counted as control traffic."""
-    array = bitmap(mask)
+    return with_control(records, key, ArrayRecord({"bits": bitmap(mask)}))
+
+
+def with_control(
+    records: dict[str, ArrayRecord | ConfigRecord], key: str, control: ArrayRecord
+) -> dict[str, ArrayRecord | ConfigRecord]:
+    """`records` plus `control` (masks, periods, indices) under `key`, counted as control."""
     codec = records[CODEC]
     assert isinstance(codec, ConfigRecord)
-    control = cast(int, codec["control-bytes"]) + len(array_to_numpy(array))
-    counted = ConfigRecord({**codec, "control-bytes": control})
-    return {**records, key: ArrayRecord({"bits": array}), CODEC: counted}
+    size = sum(array_to_numpy(a).nbytes for a in control.values())
+    counted = ConfigRecord({**codec, "control-bytes": cast(int, codec["control-bytes"]) + size})
+    return {**records, key: control, CODEC: counted}
 
 
 def decode(
@@ -139,7 +149,10 @@ def decode(
             mask = unpack_bitmap(arrays["mask"], layout.numel)
         if mask is None:
             raise CodecError("masked payload carries no mask and the receiver has none")
-        values = torch.from_numpy(array_to_numpy(arrays["values"]).copy()).reshape(-1).float()
+        raw = array_to_numpy(arrays["values"])
+        if raw.dtype != np.float32 or raw.ndim != 1:
+            raise CodecError(f"masked values are {raw.dtype} of shape {raw.shape}, not float32 1-D")
+        values = torch.from_numpy(raw.copy())
         if values.numel() != int(mask.sum()):
             raise CodecError(f"masked payload has {values.numel()} values for {int(mask.sum())}")
         out = base.clone()
@@ -148,12 +161,59 @@ def decode(
     raise CodecError(f"unknown codec {name!r}")
 
 
+def content_bytes(content: RecordDict) -> int:
+    """Bytes a message's content actually holds: array data, bytes and strings, numbers."""
+    total = 0
+    for record in content.values():
+        if isinstance(record, ArrayRecord):
+            total += sum(len(a.data) for a in record.values())
+            continue
+        for value in record.values():  # ConfigRecord / MetricRecord: scalars or lists
+            for item in value if isinstance(value, list) else [value]:
+                total += len(item) if isinstance(item, bytes | str) else 8
+    return total
+
+
+def declared_traffic(content: RecordDict) -> Traffic:
+    """The logical bytes the `codec` record declares; CodecError unless they are plausible.
+
+    Plausible: non-negative integers whose sum does not exceed what the content holds
+    (logical bytes never exceed the bytes actually carried).
+    """
+    record = content.config_records.get(CODEC)
+    if record is None:
+        raise CodecError("payload has no 'codec' record")
+    sizes = [record.get("payload-bytes"), record.get("control-bytes")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes):
+        raise CodecError(f"codec record declares sizes {sizes}, not non-negative integers")
+    traffic = Traffic(cast(int, sizes[0]), cast(int, sizes[1]))
+    held = content_bytes(content)
+    if traffic.total > held:
+        raise CodecError(f"codec record declares {traffic.total} B, the payload holds {held} B")
+    return traffic
+
+
+def _measured(arrays: ArrayRecord) -> int:
+    """Bytes of the values in `arrays` (metadata when sane, else the raw data length)."""
+    total = 0
+    for a in arrays.values():
+        try:
+            total += max(0, math.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        except (TypeError, ValueError):
+            total += len(a.data)
+    return total
+
+
 def payload_traffic(content: RecordDict) -> Traffic:
-    """Logical bytes a message's payload puts on the link (0 when it carries no arrays)."""
+    """Logical bytes a message's payload puts on the link (0 when it carries no arrays).
+
+    Never raises, whatever a client sent: a missing or implausible codec record counts
+    the arrays' own bytes instead (validation rejects such replies separately).
+    """
     if CODEC in content.config_records:
-        record = content.config_records[CODEC]
-        return Traffic(cast(int, record["payload-bytes"]), cast(int, record["control-bytes"]))
+        try:
+            return declared_traffic(content)
+        except CodecError:
+            pass
     arrays = content.array_records.get(ARRAYS)
-    if arrays is None:
-        return Traffic(0)
-    return Traffic(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays.values()))
+    return Traffic(_measured(arrays) if arrays is not None else 0)

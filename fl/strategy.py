@@ -22,12 +22,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fl.clock import ClientWork, DeviceProfile, sequential_seconds
-from fl.codec import CodecError, decode, encode_dense
-from fl.records import Layout, vector_to_arrays
+from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
+from fl.records import Layout, vector_to_arrays, wire_dtype
 
 __all__ = ["ClientUpdate", "RoundStats", "ServerStrategy"]
 
 log = logging.getLogger(__name__)
+# Default reply size bound: any of our codecs (dense, masked + bitmap, values + indices,
+# control state) stays within 4x the dense model; 1 MiB covers headers and metrics.
+PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
 
 
 @dataclass
@@ -44,10 +47,11 @@ class ClientUpdate:
 class RoundStats:
     """What happened to the replies of the last round."""
 
-    sent: int = 0
+    sent: list[int] = field(default_factory=list)  # node ids asked to train
     accepted: int = 0
-    failed: int = 0
-    rejected: int = 0
+    failed: int = 0  # error replies (crashed ClientApps)
+    rejected: int = 0  # replies that failed validation
+    missing: list[int] = field(default_factory=list)  # node ids that never replied
     reasons: list[str] = field(default_factory=list)
 
 
@@ -61,12 +65,14 @@ class ServerStrategy(FedAvg):
         seed: int,
         clients_per_round: int,
         max_update_norm: float = math.inf,
+        max_payload_bytes: float | None = None,
     ) -> None:
         super().__init__(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
         self.params = params
         self.seed = seed
         self.clients_per_round = clients_per_round
         self.max_update_norm = max_update_norm
+        self.max_payload_bytes = max_payload_bytes  # None: PAYLOAD_FACTOR x the dense model
         self.layout: Layout | None = None
         self.global_vector = torch.empty(0)
         self.stats = RoundStats()
@@ -74,11 +80,15 @@ class ServerStrategy(FedAvg):
 
     # ----- selection and instructions -------------------------------------------------
     def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
-        """Seeded uniform sample of `clients_per_round` nodes (sorted, so reproducible)."""
+        """Seeded uniform sample of `clients_per_round` nodes, kept in candidate order.
+
+        The loop passes candidates in partition order, so the same partitions are drawn on
+        every engine, whatever node ids the engine assigns.
+        """
         k = min(self.clients_per_round, len(candidates))
         rng = np.random.default_rng([self.seed, server_round, 0x5E1])
         picked = rng.choice(len(candidates), size=k, replace=False)
-        return sorted(candidates[i] for i in picked)
+        return [candidates[i] for i in sorted(picked)]
 
     def on_round_start(self, server_round: int) -> None:
         """Called once per round, after the global model is known, before any message."""
@@ -102,7 +112,7 @@ class ServerStrategy(FedAvg):
         self.on_round_start(server_round)
         nodes = sorted(grid.get_node_ids())
         chosen = self.select(server_round, self.reachable(server_round, nodes))
-        self.stats = RoundStats(sent=len(chosen))
+        self.stats = RoundStats(sent=list(chosen))
         messages = []
         for node_id in chosen:
             node_config = ConfigRecord(
@@ -122,9 +132,23 @@ class ServerStrategy(FedAvg):
         assert self.layout is not None
         return decode(reply.content, self.layout, base=self.global_vector)
 
+    def payload_limit(self) -> float:
+        """Largest reply, in bytes, that is decoded at all."""
+        if self.max_payload_bytes is not None:
+            return self.max_payload_bytes
+        assert self.layout is not None
+        sizes, dtypes = self.layout.sizes, self.layout.dtypes
+        dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
+        return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK
+
     def check_reply(self, reply: Message) -> ClientUpdate:
         """Decode and validate one reply; raise ValueError with the reason to reject it."""
         content = reply.content
+        size, limit = content_bytes(content), self.payload_limit()
+        if size > limit:
+            raise ValueError(f"reply of {size} B exceeds max_payload_bytes {limit:.0f}")
+        if "codec" in content.config_records:  # (a plain Flower client sends none: dense)
+            declared_traffic(content)  # its byte counts feed the round's traffic figures
         if "metrics" not in content.metric_records:
             raise ValueError("reply has no 'metrics' record")
         metrics = dict(content.metric_records["metrics"])
@@ -133,6 +157,9 @@ class ServerStrategy(FedAvg):
             raise ValueError(
                 f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}"
             )
+        loss = metrics.get("train-loss", 0.0)
+        if not isinstance(loss, int | float):
+            raise ValueError(f"'train-loss' must be a number, got {loss!r}")
         vector = self.decode_reply(reply)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("update has NaN or Inf values")
@@ -145,8 +172,9 @@ class ServerStrategy(FedAvg):
 
     def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:
         """Replies that decode and validate; the rest are logged and counted, never used."""
-        updates = []
+        updates, replied = [], set()
         for reply in replies:
+            replied.add(reply.metadata.src_node_id)
             node = reply.metadata.src_node_id
             if reply.has_error():
                 self.stats.failed += 1
@@ -159,6 +187,7 @@ class ServerStrategy(FedAvg):
                 self.stats.reasons.append(f"node {node}: {err}")
                 log.warning("rejected reply of node %d: %s", node, err)
         self.stats.accepted = len(updates)
+        self.stats.missing = [node for node in self.stats.sent if node not in replied]
         return updates
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
@@ -188,7 +217,8 @@ class ServerStrategy(FedAvg):
     # ----- diagnostics and resume -------------------------------------------------------
     def diagnostics(self) -> dict[str, Any]:
         """Per-round values for metrics.jsonl (subclasses add their own)."""
-        return {"rejected": self.stats.rejected, "failed": self.stats.failed}
+        stats = self.stats
+        return {"rejected": stats.rejected, "failed": stats.failed, "missing": len(stats.missing)}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue after a restart."""

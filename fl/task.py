@@ -7,6 +7,8 @@ share one copy of the data and one model instance per thread.
 from __future__ import annotations
 
 import json
+import math
+import os
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -22,16 +24,41 @@ from fl.models import build_model
 from fl.partition import partition_indices
 from fl.records import Layout
 
-__all__ = ["Task", "get_task", "resolve_device"]
+__all__ = ["GPU_MEMORY_FRACTION", "Task", "get_task", "resolve_device"]
+
+
+GPU_MEMORY_FRACTION = "FL_GPU_MEMORY_FRACTION"  # env: this process's share of its GPU
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present; `cuda` without a GPU fails clearly."""
+    """`auto` picks CUDA when present; `cuda` without a GPU fails clearly.
+
+    A process uses the first GPU it can see: pin one per SuperNode by starting it with
+    `CUDA_VISIBLE_DEVICES=<index>` (its ClientApp processes inherit the variable). Where
+    several processes share a GPU, `FL_GPU_MEMORY_FRACTION` caps each one's allocator.
+    """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but no CUDA device is visible to this process")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        _cap_gpu_memory(os.environ.get(GPU_MEMORY_FRACTION))
+    return device
+
+
+@lru_cache(maxsize=1)
+def _cap_gpu_memory(fraction: str | None) -> None:
+    """Limit this process's CUDA caching allocator to `fraction` of the device, once."""
+    if fraction is None:
+        return
+    try:
+        value = float(fraction)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"{GPU_MEMORY_FRACTION}={fraction!r}: must be a number in (0, 1]")
+    torch.cuda.set_per_process_memory_fraction(value, torch.cuda.current_device())
 
 
 @dataclass

@@ -8,6 +8,7 @@ survives across rounds; the contexts are part of the run's checkpoint.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+from fl.faults import NoReply
 
 __all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
 
@@ -106,9 +109,10 @@ class LocalGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         batch = [self._pending.pop(i) for i in message_ids if i in self._pending]
-        if self._pool is None:
-            return [self._handle(msg) for msg in batch]
-        return list(self._pool.map(self._handle, batch))
+        replies = (
+            map(self._handle, batch) if self._pool is None else self._pool.map(self._handle, batch)
+        )
+        return [reply for reply in replies if reply is not None]
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -116,13 +120,15 @@ class LocalGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
     # ----- nodes ------------------------------------------------------------------------
-    def _handle(self, msg: Message) -> Message:
-        """Run the ClientApp for one instruction, as a SuperNode would."""
+    def _handle(self, msg: Message) -> Message | None:
+        """Run the ClientApp for one instruction, as a SuperNode would (None: no reply)."""
         context = self.contexts[msg.metadata.dst_node_id]
         if self.serialize:
             msg = _wire_roundtrip(msg)
         try:
             reply = self.client_app(msg, context)
+        except NoReply:  # an injected dropout or hang: nothing arrives this round
+            return None
         except Exception as err:  # a crashing client must not stop the round
             reply = Message(Error(CLIENT_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
         return _wire_roundtrip(reply) if self.serialize else reply
@@ -160,4 +166,11 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
         state=RecordDict(),
         run_config=dict(run_config),
     )
-    server_app(grid, context)
+    # Thousands of long-lived node contexts make every full garbage collection walk
+    # them; freezing what exists now keeps collections to the per-round garbage.
+    gc.collect()
+    gc.freeze()
+    try:
+        server_app(grid, context)
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,61 @@
+"""Fault injection for clients: crashes, dropouts and hangs, as a Flower ClientApp mod.
+
+Which selected client fails, and how, is drawn from (seed, round, partition), so a faulty
+run is as reproducible as a clean one. A crash raises (the node sends an error reply); a
+dropout sends nothing; a hang replies after the round's deadline. On the local engine
+time is virtual, so a hang costs no real time: the reply is simply missing from the
+round, and the clock charges the deadline the server waited for. On real engines a hang
+really stalls the ClientApp for `faults.hang_s` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from flwr.app import Context, Message
+from flwr.clientapp.typing import ClientAppCallable
+
+from fl.config import from_run_config
+from fl.seeding import derive_seed
+
+__all__ = ["InjectedCrash", "NoReply", "draw_fault", "fault_mod"]
+
+KINDS = ("crash", "dropout", "hang")
+
+
+class NoReply(Exception):
+    """Raised inside a ClientApp to model a reply that never arrives in time."""
+
+
+class InjectedCrash(RuntimeError):
+    """An injected client crash."""
+
+
+def draw_fault(seed: int, server_round: int, partition: int, rates: dict[str, float]) -> str:
+    """'crash', 'dropout', 'hang' or '' for this client in this round."""
+    u = np.random.default_rng(derive_seed(seed, server_round, partition, 0xFA17)).random()
+    edge = 0.0
+    for kind in KINDS:
+        edge += rates.get(kind, 0.0)
+        if u < edge:
+            return kind
+    return ""
+
+
+def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower mod: inject the configured faults into train messages."""
+    cfg = from_run_config(context.run_config)
+    faults = cfg.get("faults")
+    if not faults or msg.metadata.message_type != "train":
+        return call_next(msg, context)
+    server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+    partition = int(context.node_config["partition-id"])
+    kind = draw_fault(cfg.seed, server_round, partition, dict(faults))
+    if kind == "crash":
+        raise InjectedCrash(f"injected crash (round {server_round}, partition {partition})")
+    if kind == "dropout" or (kind == "hang" and cfg.engine.name == "local"):
+        raise NoReply(kind)
+    if kind == "hang":
+        time.sleep(float(faults.hang_s))
+    return call_next(msg, context)
