@@ -18,13 +18,24 @@ from omegaconf import DictConfig
 from clients.trainer import TrainSettings, train_locally
 from fl.codec import decode
 from fl.config import from_run_config, plain, run_config_key
+from fl.faults import fault_mod
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed
 from fl.task import Task, get_task
+from privacy.dpsgd import DPSGD
 
 __all__ = ["app"]
 
-app = ClientApp()
+app = ClientApp(mods=[fault_mod])  # injects the configured faults (none by default)
+
+# Train-config keys a strategy may set per node and round (GIFT's local steps, LB-BSP's
+# batch size, 2D-LRD's learning rate); absent keys keep the run's values.
+PER_ROUND_KEYS = {
+    "local-steps": "local_steps",
+    "local-epochs": "local_epochs",
+    "batch-size": "batch_size",
+    "lr": "lr",
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,7 @@ class _Setup:
     spec: StrategySpec
     params: Any
     settings: TrainSettings
+    dp: DPSGD | None  # DP-SGD settings when privacy=dpsgd
 
 
 _SETUPS: dict[str, _Setup] = {}
@@ -52,7 +64,8 @@ def _make_setup(cfg: DictConfig) -> _Setup:
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
     )
-    return _Setup(cfg.seed, get_task(cfg), spec, spec.make_params(strategy), settings)
+    params = spec.make_params(strategy)
+    return _Setup(cfg.seed, get_task(cfg), spec, params, settings, DPSGD.from_config(cfg))
 
 
 def _setup_of(context: Context) -> _Setup:
@@ -84,9 +97,14 @@ def train(msg: Message, context: Context) -> Message:
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
-    settings = replace(setup.settings, seed=derive_seed(setup.seed, server_round, partition))
+    per_round: dict[str, Any] = {
+        field: config[key] for key, field in PER_ROUND_KEYS.items() if key in config
+    }
+    seed = derive_seed(setup.seed, server_round, partition)
+    settings = replace(setup.settings, seed=seed, **per_round)
     x, y = setup.task.client_data(partition)
-    result = train_locally(model, x, y, hooks, settings)
+    private = setup.dp.session(len(y), config, settings.seed) if setup.dp else None
+    result = train_locally(model, x, y, hooks, settings, private)
     records, extra = hooks.end(model, context.state, layout)
     metrics = MetricRecord(
         {
@@ -96,6 +114,7 @@ def train(msg: Message, context: Context) -> Message:
             "samples": result.samples,
             "partition-id": partition,
             **extra,
+            **(private.account(context.state, result.steps) if private else {}),
         }
     )
     return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)

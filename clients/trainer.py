@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from torch import nn
 
 from fl.hooks import ClientHooks
 
-__all__ = ["LocalResult", "TrainSettings", "train_locally"]
+__all__ = ["LocalResult", "Privatizer", "TrainSettings", "train_locally"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,18 @@ class TrainSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+
+
+class Privatizer(Protocol):
+    """Differentially private training (privacy.dpsgd.PrivateTraining implements it)."""
+
+    def attach(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, before_step: Callable[[], None]
+    ) -> torch.optim.Optimizer: ...
+
+    def batches(self, n: int, generator: torch.Generator) -> Iterator[torch.Tensor] | None: ...
+
+    def detach(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,34 +73,49 @@ def train_locally(
     y: torch.Tensor,
     hooks: ClientHooks,
     settings: TrainSettings,
+    private: Privatizer | None = None,
 ) -> LocalResult:
     """Minibatch SGD over in-memory (x, y); hooks may change every step.
 
     Batches are slices of a seeded permutation, not a DataLoader, so a simulated client
-    costs little more than its arithmetic.
+    costs little more than its arithmetic. With `private`, the optimizer clips and noises
+    per-sample gradients and batches may be Poisson samples (possibly empty).
     """
     if len(y) == 0:
         raise ValueError("this client has no training data")
     generator = torch.Generator().manual_seed(settings.seed)
-    optimizer = torch.optim.SGD(
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(
         model.parameters(),
         lr=settings.lr,
         momentum=settings.momentum,
         weight_decay=settings.weight_decay,
     )
+    batches = _batches(len(y), generator, settings, hooks)
+    if private is not None:
+        optimizer = private.attach(model, optimizer, lambda: hooks.before_step(model))
+        batches = private.batches(len(y), generator) or batches
     model.train()
     steps, samples, loss_sum = 0, 0, torch.zeros((), device=x.device)
-    for step, batch in enumerate(_batches(len(y), generator, settings, hooks)):
-        batch = batch.to(x.device)
-        for group in optimizer.param_groups:
-            group["lr"] = hooks.lr(step, settings.lr)
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[batch]), y[batch])
-        loss.backward()
-        hooks.before_step(model)
-        optimizer.step()
-        steps, samples = step + 1, samples + len(batch)
-        loss_sum += loss.detach() * len(batch)
-        if not hooks.after_step(steps, model, loss.detach()):
-            break
+    current_lr = settings.lr
+    try:
+        for step, batch in enumerate(batches):
+            batch = batch.to(x.device)
+            lr = hooks.lr(step, settings.lr)
+            if lr != current_lr:  # touch the optimizer only when a strategy changes it
+                for group in optimizer.param_groups:
+                    group["lr"] = current_lr = lr
+            optimizer.zero_grad(set_to_none=True)
+            # the batch mean, and 0 (not NaN) for an empty Poisson batch
+            loss = F.cross_entropy(model(x[batch]), y[batch], reduction="sum") / max(len(batch), 1)
+            loss.backward()
+            if private is None:  # under DP-SGD the optimizer calls it on the noised gradient
+                hooks.before_step(model)
+            optimizer.step()
+            steps, samples = step + 1, samples + len(batch)
+            loss_sum.add_(loss.detach(), alpha=len(batch))
+            if not hooks.after_step(steps, model, loss.detach()):
+                break
+    finally:
+        if private is not None:
+            private.detach()
     return LocalResult(steps, samples, float(loss_sum) / max(samples, 1))

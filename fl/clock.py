@@ -19,6 +19,7 @@ __all__ = [
     "DeviceProfile",
     "VirtualClock",
     "build_profiles",
+    "pipelined_seconds",
     "sequential_seconds",
 ]
 
@@ -116,9 +117,38 @@ class VirtualClock:
         return max((client_seconds(self.profiles[w.partition], w) for w in work), default=0.0)
 
     def advance(
-        self, work: Iterable[ClientWork], client_seconds: ClientSeconds = sequential_seconds
+        self,
+        work: Iterable[ClientWork],
+        client_seconds: ClientSeconds = sequential_seconds,
+        at_least: float = 0.0,
     ) -> float:
-        """Advance by one synchronous round; return its duration."""
-        duration = self.round_seconds(work, client_seconds)
+        """Advance by one synchronous round; return its duration.
+
+        `at_least` is the deadline the server waited for when some reply never came.
+        """
+        duration = max(self.round_seconds(work, client_seconds), at_least)
         self.now += duration
         return duration
+
+
+def pipelined_seconds(
+    profile: DeviceProfile,
+    *,
+    down_bytes: int,
+    step_seconds: float,
+    groups: Iterable[tuple[int, int]],
+    extra_up_bytes: int = 0,
+) -> float:
+    """One client's round when parts of its upload leave before training ends.
+
+    After the download, local steps run back to back; each group `(step, bytes)` may
+    start uploading once local step `step` is done, and uploads share the client's
+    uplink one after another, while computation goes on. `extra_up_bytes` (control
+    state) follow the last group. The round ends when the last upload ends; with one
+    group at the last step this is `sequential_seconds` (PAS eager synchronisation).
+    """
+    start = down_bytes / profile.down_bytes_per_s
+    link_free = start
+    for step, size in sorted(groups):
+        link_free = max(link_free, start + step * step_seconds) + size / profile.up_bytes_per_s
+    return link_free + extra_up_bytes / profile.up_bytes_per_s

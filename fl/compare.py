@@ -22,7 +22,7 @@ from fl.plots import plot_diagnostic, plot_runs
 
 __all__ = ["ComparisonCallback", "compare_runs", "load_run"]
 
-DIAGNOSTICS = ("frozen_fraction", "local_steps", "consistency", "epsilon_max")
+DIAGNOSTICS = ("frozen_fraction", "local_steps", "consistency", "mean_period", "epsilon_max")
 
 
 def load_run(run_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:

@@ -10,6 +10,7 @@ from the `conf/` tree.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -21,9 +22,9 @@ __all__ = [
     "CONF_DIR",
     "ConfigError",
     "compose",
+    "from_run_config",
     "plain",
     "run_config_key",
-    "from_run_config",
     "to_run_config",
     "validate",
 ]
@@ -37,6 +38,7 @@ SCHEMES = ("iid", "dirichlet", "shards", "natural")
 ENGINES = ("local", "flower-sim", "deployment")
 LOGGERS = ("jsonl", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
+PRIVACY = ("none", "dpsgd", "central")
 
 
 class ConfigError(ValueError):
@@ -111,6 +113,59 @@ def _one_of(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, value, f"must be one of {list(choices)}")
 
 
+def _number(cfg: DictConfig, key: str, low: float, high: float = math.inf) -> None:
+    value = OmegaConf.select(cfg, key)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+    _require(ok, key, value, f"must be a number in [{low}, {high}]")
+
+
+def _validate_privacy(cfg: DictConfig) -> None:
+    """privacy=none | dpsgd | central; with DP-SGD the model must be one Opacus can train."""
+    _one_of(cfg, "privacy.name", PRIVACY)
+    name = cfg.privacy.name
+    if name == "dpsgd":
+        _number(cfg, "privacy.noise_multiplier", 0.0)
+        _number(cfg, "privacy.max_grad_norm", 1e-12)
+        _number(cfg, "privacy.delta", 1e-300, 1.0)
+        if cfg.privacy.target_epsilon is not None:
+            _number(cfg, "privacy.target_epsilon", 1e-6)
+        _one_of(cfg, "privacy.accountant", ("rdp", "prv", "gdp"))
+        _one_of(cfg, "privacy.sampling", ("poisson", "shuffle"))
+        if OmegaConf.select(cfg, "privacy.ledger.path"):
+            _one_of(cfg, "privacy.ledger.scheduler", ("dpbalance", "dpf", "dpk", "fcfs"))
+            _number(cfg, "privacy.ledger.demand_epsilon", 1e-12)
+            _number(cfg, "privacy.ledger.block_budget", 1e-12)
+            _number(cfg, "privacy.ledger.beta", 0.0)
+            if OmegaConf.select(cfg, "privacy.ledger.kappa_max") is not None:
+                _number(cfg, "privacy.ledger.kappa_max", 1.0)
+        layer = _dp_incompatible_layer(cfg)
+        _require(layer is None, "task.model", cfg.task.model, f"Opacus cannot train {layer}")
+    if name in ("dpsgd", "central"):
+        _one_of(cfg, "privacy.server_dp.mode", ("none", "fixed", "adaptive"))
+        if cfg.privacy.server_dp.mode != "none":
+            _number(cfg, "privacy.server_dp.noise_multiplier", 0.0)
+            _number(cfg, "privacy.server_dp.clipping_norm", 1e-12)
+            _number(cfg, "privacy.server_dp.target_clipped_quantile", 0.0, 1.0)
+            _number(cfg, "privacy.server_dp.clip_norm_lr", 0.0)
+
+
+def _dp_incompatible_layer(cfg: DictConfig) -> str | None:
+    """The first layer of the run's model that Opacus rejects (e.g. BatchNorm), or None."""
+    from opacus.validators import ModuleValidator
+
+    from fl.models import build_model
+
+    image = cfg.task.model in ("cnn", "lenet5", "resnet18")  # layer types ignore input size
+    hidden = tuple(cfg.task.get("hidden") or (64,))
+    model = build_model(cfg.task.model, (3, 32, 32) if image else (64,), 10, hidden=hidden)
+    for name, module in model.named_modules():
+        check = ModuleValidator.VALIDATORS.get(type(module))
+        errors = check(module) if check is not None else []
+        if errors:
+            return f"layer {name!r} ({type(module).__name__}): {str(errors[0]).split('. ')[0]}"
+    return None
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every option before the run starts; raise ConfigError naming the bad key."""
     from fl.registry import get_strategy
@@ -145,13 +200,27 @@ def validate(cfg: DictConfig) -> None:
         target,
         "must be null or in (0, 1]",
     )
+    budget = cfg.get("time_budget_s")
+    _require(
+        budget is None or (isinstance(budget, int | float) and budget > 0),
+        "time_budget_s",
+        budget,
+        "must be null or a number > 0",
+    )
+    rates = [cfg.faults[kind] for kind in ("crash", "dropout", "hang")]
+    _require(
+        all(isinstance(r, int | float) and 0 <= r <= 1 for r in rates) and sum(rates) <= 1,
+        "faults",
+        rates,
+        "crash, dropout and hang rates must be in [0, 1] and sum to at most 1",
+    )
     _one_of(cfg, "device", DEVICES)
     _one_of(cfg, "task.dataset", DATASETS)
     _one_of(cfg, "task.model", MODELS)
     _one_of(cfg, "partition.scheme", SCHEMES)
     _one_of(cfg, "engine.name", ENGINES)
     _one_of(cfg, "logger.name", LOGGERS)
-    _one_of(cfg, "privacy.name", ("none",))
+    _validate_privacy(cfg)
     if cfg.partition.scheme == "dirichlet":
         alpha = cfg.partition.alpha
         _require(

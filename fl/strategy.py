@@ -52,6 +52,7 @@ class RoundStats:
     failed: int = 0  # error replies (crashed ClientApps)
     rejected: int = 0  # replies that failed validation
     missing: list[int] = field(default_factory=list)  # node ids that never replied
+    updates: list[ClientUpdate] = field(default_factory=list)  # the accepted replies
     reasons: list[str] = field(default_factory=list)
 
 
@@ -160,6 +161,9 @@ class ServerStrategy(FedAvg):
         loss = metrics.get("train-loss", 0.0)
         if not isinstance(loss, int | float):
             raise ValueError(f"'train-loss' must be a number, got {loss!r}")
+        samples = metrics.get("samples", 0)  # the virtual clock charges compute by it
+        if not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"'samples' must be a non-negative int, got {samples!r}")
         vector = self.decode_reply(reply)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("update has NaN or Inf values")
@@ -187,6 +191,7 @@ class ServerStrategy(FedAvg):
                 self.stats.reasons.append(f"node {node}: {err}")
                 log.warning("rejected reply of node %d: %s", node, err)
         self.stats.accepted = len(updates)
+        self.stats.updates = updates
         self.stats.missing = [node for node in self.stats.sent if node not in replied]
         return updates
 

@@ -97,11 +97,11 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(row, step=row["round"])
 
-    def finish(self) -> dict[str, Any]:
-        """Write summary.json and the plot; close W&B. Returns the summary."""
+    def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write summary.json (with `extra` keys, e.g. ε per client) and the plot; close W&B."""
         from fl.plots import plot_run
 
-        summary = summarize(self.rows, self.cfg.get("target_accuracy"))
+        summary = {**summarize(self.rows, self.cfg.get("target_accuracy")), **(extra or {})}
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.rows:
             plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)

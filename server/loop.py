@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -23,9 +24,11 @@ from fl.clock import ClientWork, VirtualClock, build_profiles
 from fl.codec import Traffic, payload_traffic
 from fl.config import plain
 from fl.registry import get_strategy
-from fl.strategy import ServerStrategy
+from fl.strategy import ClientUpdate, ServerStrategy
 from fl.task import get_task
 from fl.tracking import RunLog
+from privacy.central import wrap_central_dp
+from privacy.rounds import RoundPrivacy
 from server.checkpoint import load_checkpoint, restore_rng, rng_state, save_checkpoint
 from server.evaluation import evaluate_global
 
@@ -47,6 +50,27 @@ class Progress:
     cum_payload_bytes_up: int = 0
     cum_payload_bytes_down: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_traffic(self, up: Iterable[Traffic], down: Iterable[Traffic]) -> dict[str, int]:
+        """Count one round's traffic; return its columns for the metrics row."""
+        up, down = list(up), list(down)
+        row = {
+            "bytes_up": sum(t.total for t in up),
+            "bytes_down": sum(t.total for t in down),
+            "payload_bytes_up": sum(t.payload for t in up),
+            "payload_bytes_down": sum(t.payload for t in down),
+        }
+        self.cum_bytes_up += row["bytes_up"]
+        self.cum_bytes_down += row["bytes_down"]
+        self.cum_payload_bytes_up += row["payload_bytes_up"]
+        self.cum_payload_bytes_down += row["payload_bytes_down"]
+        return {
+            **row,
+            "cum_bytes_up": self.cum_bytes_up,
+            "cum_bytes_down": self.cum_bytes_down,
+            "cum_payload_bytes_up": self.cum_payload_bytes_up,
+            "cum_payload_bytes_down": self.cum_payload_bytes_down,
+        }
 
 
 def discover_partitions(grid: Grid, expected: int, timeout_s: float = 300.0) -> dict[int, int]:
@@ -71,15 +95,16 @@ def discover_partitions(grid: Grid, expected: int, timeout_s: float = 300.0) -> 
 
 
 def make_strategy(cfg: DictConfig) -> ServerStrategy:
-    """The configured strategy's server half."""
+    """The configured strategy's server half (inside Flower's central-DP wrapper if set)."""
     values = plain(cfg.strategy)
     spec = get_strategy(str(values["name"]))
-    return spec.server(
+    strategy = spec.server(
         spec.make_params(values),
         seed=cfg.seed,
         clients_per_round=cfg.clients_per_round,
         max_update_norm=float(cfg.max_update_norm),
     )
+    return wrap_central_dp(strategy, cfg)
 
 
 def _print_row(bar: tqdm, row: dict[str, Any], first: bool) -> None:
@@ -88,6 +113,17 @@ def _print_row(bar: tqdm, row: dict[str, Any], first: bool) -> None:
         bar.write("  ".join(f"{c:>14}" for c in cols))
     cells = [f"{row[c]:>14.4f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols]
     bar.write("  ".join(cells))
+
+
+def _resume(path: Path, strategy: ServerStrategy, grid: Grid) -> tuple[Progress, dict[str, Any]]:
+    """Counters and global model of the checkpoint; restores strategy, nodes and RNGs."""
+    saved = load_checkpoint(path)
+    strategy.load_state_dict(saved["strategy"])
+    if hasattr(grid, "load_state_dict") and saved["nodes"] is not None:
+        grid.load_state_dict(saved["nodes"])
+    restore_rng(saved["rng"])
+    log.info("resumed from round %d", saved["progress"].round)
+    return saved["progress"], saved["arrays"]
 
 
 def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -100,73 +136,72 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     strategy.reachable = lambda rnd, nodes: _reachable(clock, partitions, rnd, nodes)
 
     checkpoint_path = out_dir / CHECKPOINT
-    progress, arrays = Progress(), ArrayRecord(task.new_model().state_dict())
+    progress, state = Progress(), task.new_model().state_dict()
     if cfg.resume:
-        saved = load_checkpoint(checkpoint_path)
-        progress, arrays = saved["progress"], ArrayRecord(saved["arrays"])
-        strategy.load_state_dict(saved["strategy"])
-        if hasattr(grid, "load_state_dict") and saved["nodes"] is not None:
-            grid.load_state_dict(saved["nodes"])
-        restore_rng(saved["rng"])
+        progress, state = _resume(checkpoint_path, strategy, grid)
         clock.now = progress.virtual_time_s
-        log.info("resumed from round %d", progress.round)
+    arrays = ArrayRecord(state)
     run_log = RunLog(out_dir, cfg, resume_round=progress.round)
+    privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
+    privacy.load_state_dict(progress.extra.get("privacy", {}))
+    stop = privacy.start()
 
     header = True
     bar = tqdm(
         total=cfg.rounds, initial=progress.round, desc=cfg.strategy.name, disable=not cfg.progress
     )
+    budget = cfg.get("time_budget_s") or float("inf")
     for server_round in range(progress.round + 1, cfg.rounds + 1):
+        if progress.virtual_time_s >= budget:
+            log.info("virtual-time budget of %s s reached after round %d", budget, progress.round)
+            break
         started = time.perf_counter()
-        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+        config = ConfigRecord(privacy.train_config())
+        messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        chosen = [partitions[m.metadata.dst_node_id] for m in messages]
+        stop = stop or privacy.admit(server_round, chosen)
+        if stop:  # over the privacy budget: end here, keeping the model so far
+            log.warning("%s", stop)
+            break
         down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout_s))
+        replies.sort(key=lambda r: partitions.get(r.metadata.src_node_id, -1))  # engine-independent
+        up = {
+            r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
+        }
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         arrays = new_arrays if new_arrays is not None else arrays
         accuracy, loss = evaluate_global(task, arrays)
 
-        up = {
-            r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
-        }
-        work = [_work(r, partitions, down, up) for r in replies if r.has_content()]
-        round_time = clock.advance(work)
-        bytes_up = sum(t.total for t in up.values())
-        bytes_down = sum(t.total for t in down.values())
-        payload_up = sum(t.payload for t in up.values())
-        payload_down = sum(t.payload for t in down.values())
+        # Time and privacy read only replies the strategy accepted: the rest is untrusted.
+        work = [_work(u, partitions, down, up) for u in strategy.stats.updates]
+        waited = cfg.round_timeout_s if strategy.stats.missing else 0.0
+        round_time = clock.advance(work, strategy.client_seconds, at_least=waited)
         progress.round = server_round
         progress.virtual_time_s = clock.now
         progress.wall_time_s += time.perf_counter() - started
-        progress.cum_bytes_up += bytes_up
-        progress.cum_bytes_down += bytes_down
-        progress.cum_payload_bytes_up += payload_up
-        progress.cum_payload_bytes_down += payload_down
         row = {
             "round": server_round,
             "accuracy": accuracy,
             "loss": loss,
-            "bytes_up": bytes_up,
-            "bytes_down": bytes_down,
-            "cum_bytes_up": progress.cum_bytes_up,
-            "cum_bytes_down": progress.cum_bytes_down,
-            "payload_bytes_up": payload_up,
-            "payload_bytes_down": payload_down,
-            "cum_payload_bytes_up": progress.cum_payload_bytes_up,
-            "cum_payload_bytes_down": progress.cum_payload_bytes_down,
+            **progress.add_traffic(up.values(), down.values()),
             "clients": len(messages),
-            "replies": len(work),
+            "replies": strategy.stats.accepted,
             "round_time_s": round_time,
             "virtual_time_s": progress.virtual_time_s,
             "wall_time_s": progress.wall_time_s,
             **strategy.diagnostics(),
+            **privacy.observe(strategy.stats.updates, partitions),
         }
         run_log.append(row)
+        progress.extra["privacy"] = privacy.state_dict()
         if cfg.progress:
             _print_row(bar, row, header)
             header = False
         bar.set_postfix(acc=f"{accuracy:.3f}")
         bar.update()
-        if server_round % cfg.checkpoint_every == 0 or server_round == cfg.rounds:
+        last = server_round == cfg.rounds or progress.virtual_time_s >= budget
+        if server_round % cfg.checkpoint_every == 0 or last:
             save_checkpoint(
                 checkpoint_path,
                 {
@@ -179,7 +214,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             )
     bar.close()
     torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
-    return run_log.finish()
+    privacy.finish()
+    return run_log.finish(privacy.summary())
 
 
 def _system_options(cfg: DictConfig) -> dict[str, Any]:
@@ -192,17 +228,20 @@ def _reachable(
     clock: VirtualClock, partitions: dict[int, int], rnd: int, nodes: list[int]
 ) -> list[int]:
     up = set(clock.available(rnd, range(len(clock.profiles))))
-    return [n for n in nodes if partitions.get(n) in up]
+    return sorted((n for n in nodes if partitions.get(n) in up), key=partitions.__getitem__)
 
 
 def _work(
-    reply: Message, partitions: dict[int, int], down: dict[int, Traffic], up: dict[int, Traffic]
+    update: ClientUpdate,
+    partitions: dict[int, int],
+    down: dict[int, Traffic],
+    up: dict[int, Traffic],
 ) -> ClientWork:
-    node = reply.metadata.src_node_id
-    metrics = reply.content.metric_records.get("metrics")
+    node = update.node_id
     return ClientWork(
         partition=partitions[node],
-        samples=cast(int, metrics.get("samples", 0)) if metrics else 0,
+        samples=int(update.metrics.get("samples", 0)),
         down_bytes=down[node].total if node in down else 0,
         up_bytes=up[node].total,
+        metrics=update.metrics,
     )

@@ -39,8 +39,7 @@ def _device_label_tv(ds: Dataset) -> float:
     dists = [
         0.5
         * np.abs(
-            np.bincount(y[ds.groups == g], minlength=ds.num_classes)
-            / np.sum(ds.groups == g)
+            np.bincount(y[ds.groups == g], minlength=ds.num_classes) / np.sum(ds.groups == g)
             - pooled
         ).sum()
         for g in np.unique(ds.groups)
@@ -93,9 +92,7 @@ def test_synthetic_shapes_groups_and_holdout() -> None:
 
 
 def test_synthetic_device_sizes_average_samples_per_device() -> None:
-    ds = load_dataset(
-        "synthetic", seed=0, num_devices=5000, dim=2, samples_per_device=60
-    )
+    ds = load_dataset("synthetic", seed=0, num_devices=5000, dim=2, samples_per_device=60)
     mean_size = (len(ds.y_train) + len(ds.y_test)) / 5000
     assert 57 < mean_size < 63  # lognormal mean 60, nudged up by the floor of 10
     assert ds.groups is not None
@@ -113,9 +110,7 @@ def test_synthetic_is_deterministic_per_seed() -> None:
 
 def test_synthetic_features_have_the_prescribed_variances() -> None:
     # In the IID variant all devices share v, so the pooled variance of feature j is j^-1.2.
-    ds = load_dataset(
-        "synthetic", seed=0, iid=True, num_devices=50, samples_per_device=100
-    )
+    ds = load_dataset("synthetic", seed=0, iid=True, num_devices=50, samples_per_device=100)
     var = ds.x_train.double().var(dim=0).numpy()
     expected = np.arange(1, 61) ** -1.2
     np.testing.assert_allclose(var, expected, rtol=0.15)
@@ -124,9 +119,7 @@ def test_synthetic_features_have_the_prescribed_variances() -> None:
 def test_synthetic_non_iid_devices_disagree_on_labels_iid_ones_do_not() -> None:
     non_iid, iid = (
         _device_label_tv(
-            load_dataset(
-                "synthetic", seed=0, iid=flag, num_devices=40, samples_per_device=200
-            )
+            load_dataset("synthetic", seed=0, iid=flag, num_devices=40, samples_per_device=200)
         )
         for flag in (False, True)
     )
@@ -150,12 +143,8 @@ def test_unknown_dataset_lists_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("name", "folder"), [("cifar10", "cifar-10-batches-py"), ("mnist", "MNIST/raw")]
 )
-def test_missing_files_name_the_expected_path(
-    tmp_path: Path, name: str, folder: str
-) -> None:
-    with pytest.raises(
-        DatasetNotFoundError, match="nothing is ever downloaded"
-    ) as info:
+def test_missing_files_name_the_expected_path(tmp_path: Path, name: str, folder: str) -> None:
+    with pytest.raises(DatasetNotFoundError, match="nothing is ever downloaded") as info:
         load_dataset(name, seed=0, root=tmp_path)
     assert str(tmp_path / folder) in str(info.value)
     assert isinstance(info.value, FileNotFoundError)
@@ -171,9 +160,7 @@ def test_data_root_comes_from_env_then_working_directory(
         load_dataset("cifar10", seed=0)
     monkeypatch.delenv(DATA_DIR_ENV)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(
-        DatasetNotFoundError, match=str(tmp_path / "data" / "MNIST" / "raw")
-    ):
+    with pytest.raises(DatasetNotFoundError, match=str(tmp_path / "data" / "MNIST" / "raw")):
         load_dataset("mnist", seed=0)
 
 
@@ -206,9 +193,7 @@ def test_fake_cifar10_loads_normalised_per_channel(
 ) -> None:
     _write_cifar(tmp_path, per_batch=4)
     # torchvision checks each file's MD5 against the official archive; fakes cannot pass.
-    monkeypatch.setattr(
-        torchvision.datasets.cifar, "check_integrity", _lenient_checksum
-    )
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", _lenient_checksum)
     ds = load_dataset("cifar10", seed=0, root=tmp_path)
     assert (ds.x_train.shape, ds.x_test.shape) == ((20, 3, 32, 32), (4, 3, 32, 32))
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
@@ -227,9 +212,7 @@ def test_fake_cifar10_failing_checksum_is_reported(tmp_path: Path) -> None:
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
     """IDX file as MNIST ships it: magic (0, 0, uint8 type 0x08, ndim), big-endian dims, data."""
-    header = (
-        bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">i4").tobytes()
-    )
+    header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">i4").tobytes()
     path.write_bytes(header + array.astype(np.uint8).tobytes())
 
 

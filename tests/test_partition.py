@@ -26,9 +26,7 @@ def test_every_scheme_covers_each_index_exactly_once(scheme: str) -> None:
     parts = _split(scheme)
     assert len(parts) == 10
     assert all(p.dtype == np.int64 and np.all(np.diff(p) > 0) for p in parts)
-    np.testing.assert_array_equal(
-        np.sort(np.concatenate(parts)), np.arange(len(LABELS))
-    )
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
 
 
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet", "shards"])
@@ -52,9 +50,7 @@ def test_small_dirichlet_alpha_skews_labels_more_than_large() -> None:
 
 
 def test_dirichlet_redraws_until_min_size_holds() -> None:
-    unconstrained = partition_indices(
-        LABELS, 20, "dirichlet", seed=1, alpha=0.3, min_size=0
-    )
+    unconstrained = partition_indices(LABELS, 20, "dirichlet", seed=1, alpha=0.3, min_size=0)
     assert min(len(p) for p in unconstrained) < 20  # so the bound below is doing work
     parts = partition_indices(LABELS, 20, "dirichlet", seed=1, alpha=0.3, min_size=20)
     assert min(len(p) for p in parts) >= 20
@@ -62,9 +58,7 @@ def test_dirichlet_redraws_until_min_size_holds() -> None:
 
 def test_dirichlet_gives_up_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="raise alpha"):
-        partition_indices(
-            LABELS[:100], 10, "dirichlet", seed=0, alpha=0.01, min_size=10
-        )
+        partition_indices(LABELS[:100], 10, "dirichlet", seed=0, alpha=0.01, min_size=10)
 
 
 @pytest.mark.parametrize("classes_per_client", [1, 2, 3])

@@ -119,3 +119,18 @@ def test_thousand_clients_two_rounds(tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["replies"] for r in rows] == [1000, 1000]
     assert rows[1]["loss"] < rows[0]["loss"]  # Synthetic(0.5, 0.5) learns slowly, but it learns
+
+
+def test_time_budget_stops_at_equal_virtual_time(tmp_path):
+    # uniform system: one epoch of ~360 samples at 500 samples/s is ~0.75 s per round
+    run_fl(
+        tmp_path,
+        "num_clients=4",
+        "clients_per_round=4",
+        "rounds=50",
+        "local_epochs=1",
+        "time_budget_s=3",
+    )
+    rows = read_metrics(tmp_path)
+    assert rows[-2]["virtual_time_s"] < 3 <= rows[-1]["virtual_time_s"]
+    assert len(rows) < 50

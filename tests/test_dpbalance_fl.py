@@ -1,0 +1,102 @@
+"""A DPBalance-scheduled FL pipeline: granted by the ledger, charged per round, stopped at grant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import REPO, fl_env, fl_run_cmd, read_metrics
+
+from fl.config import compose
+from fl.task import get_task
+from privacy.ledger import Ledger
+from privacy.rounds import RoundPrivacy
+
+RUN = ["experiment=dpbalance", "num_clients=4", "clients_per_round=2", "rounds=6"]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two pipelines, each on its own ledger, run at once: one within its grant, one greedy."""
+    root = tmp_path_factory.mktemp("dpbalance")
+    jobs = {
+        "jobA": [],
+        "greedy": ["privacy.ledger.noise_from_grant=false", "privacy.noise_multiplier=1.3"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            fl_run_cmd(
+                f"hydra.run.dir={root / name}",
+                *RUN,
+                f"privacy.ledger.path={root / name / 'ledger.sqlite'}",
+                *extra,
+            ),
+            cwd=REPO,
+            env=fl_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, extra in jobs.items()
+    }
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    return root
+
+
+def test_a_pipeline_spends_its_grant_round_by_round(runs, tmp_path):
+    ledger_path = runs / "jobA" / "ledger.sqlite"
+    summary = _summary(runs / "jobA")
+    assert summary["stopped"] is None and summary["rounds"] == 6
+    assert summary["ledger"]["granted_epsilon"] == pytest.approx(2.5)  # κ = 1.25 x demand 2.0
+    final = {int(p): e for p, e in summary["epsilon_per_client"].items()}
+    assert 0 < max(final.values()) <= 2.5  # σ was sized from the grant
+    with Ledger(ledger_path) as ledger:
+        assert ledger.check() == []
+        record = ledger.pipeline("jobA")
+        assert record.status == "finished" and record.kappa == pytest.approx(1.25)
+        for p in range(4):  # charges, summed, are exactly each client's Opacus ε
+            assert record.spent[f"digits/client-{p}"] == pytest.approx(final.get(p, 0.0), rel=1e-9)
+        rounds = ledger.db.execute(
+            "SELECT round, COUNT(*) FROM charges WHERE pipeline = 'jobA' GROUP BY round"
+        ).fetchall()
+        assert rounds == [(r, 2) for r in range(1, 7)]  # the 2 selected clients, every round
+        # finished: what it did not spend went back to the blocks
+        assert ledger.blocks()["digits/client-0"][1] == pytest.approx(final.get(0, 0.0))
+
+    # the same pipeline id again (not a resume) would restart its clients' accountants
+    cfg = compose([*RUN, f"privacy.ledger.path={ledger_path}", "privacy.ledger.pipeline=jobA"])
+    again = RoundPrivacy(cfg, get_task(cfg), tmp_path / "again")
+    assert "already exists in the ledger (finished)" in again.start()
+    assert again.grant == {} and again.train_config() == {}
+    with Ledger(ledger_path) as ledger:
+        assert ledger.check() == [] and ledger.pipeline("jobA").status == "finished"
+
+
+def test_a_pipeline_that_would_overspend_stops_and_keeps_its_model(runs):
+    run_dir = runs / "greedy"
+    ledger_path = run_dir / "ledger.sqlite"
+    summary = _summary(run_dir)
+    assert summary["rounds"] == 3
+    assert "would spend ε=" in summary["stopped"]
+    assert (
+        "above its grant of 2.5; stopped before round 4, the model of round 3 is kept"
+        in (summary["stopped"])
+    )
+    assert [r["round"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    model = torch.load(run_dir / "model.pt")
+    assert saved["progress"].round == 3
+    assert all(torch.equal(model[k], saved["arrays"][k]) for k in model)
+    with Ledger(ledger_path) as ledger:
+        assert ledger.check() == []
+        record = ledger.pipeline("greedy")
+        assert record.status == "stopped" and "stopped before round 4" in record.note
+        assert max(record.spent.values()) <= 2.5

@@ -1,0 +1,71 @@
+"""Flower's server-side central-DP wrappers around our strategies, end to end through fl-run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+from conftest import REPO, fl_env, fl_run_cmd, read_metrics
+
+from fl.config import ConfigError, compose, validate
+from fl.records import Layout
+from fl.task import get_task
+
+RUN = ["privacy=central", "num_clients=4", "clients_per_round=4", "rounds=3", "local_epochs=1"]
+
+
+def _start(run_dir, *overrides: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
+        cwd=REPO,
+        env=fl_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+
+
+def test_fixed_clipping_bounds_every_round_and_adaptive_clipping_adapts(tmp_path):
+    clip = 0.01
+    fixed = _start(
+        tmp_path / "fixed",
+        *RUN,
+        "privacy.server_dp.noise_multiplier=0.0",
+        f"privacy.server_dp.clipping_norm={clip}",
+    )
+    adaptive = _start(tmp_path / "adaptive", *RUN, "privacy.server_dp.mode=adaptive")
+    _finish(fixed)
+    _finish(adaptive)
+
+    # the aggregate of updates clipped to `clip` moves the model by at most `clip` a round
+    task = get_task(compose(RUN))
+    layout = Layout.of(task.new_model().state_dict())
+    start = layout.flatten(task.new_model().state_dict())
+    final = layout.flatten(torch.load(tmp_path / "fixed" / "model.pt"))
+    moved = float(torch.linalg.vector_norm(final - start))
+    assert 0.5 * clip < moved <= 3 * clip * (1 + 1e-5)
+    rows = read_metrics(tmp_path / "fixed")
+    assert [r["dp_clipping_norm"] for r in rows] == [clip] * 3
+    assert all(r["replies"] == 4 and r["rejected"] == 0 for r in rows)
+
+    norms = [r["dp_clipping_norm"] for r in read_metrics(tmp_path / "adaptive")]
+    assert norms[0] != pytest.approx(1.0) and len(set(norms)) == 3  # starts at 1.0, then learns
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("privacy.server_dp.mode=secagg", "privacy.server_dp.mode='secagg': must be one of"),
+        ("privacy.server_dp.clipping_norm=0", "privacy.server_dp.clipping_norm=0: must be"),
+    ],
+)
+def test_invalid_central_dp_options_are_refused_by_name(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(compose([*RUN, override]))
