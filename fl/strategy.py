@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ class RoundStats:
 
 class ServerStrategy(FedAvg):
     """Base of our server halves; plain FedAvg when nothing is overridden."""
+
+    # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
+    state_attributes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -227,7 +230,9 @@ class ServerStrategy(FedAvg):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue after a restart."""
-        return {}
+        return {name: getattr(self, name) for name in self.state_attributes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+        for name in self.state_attributes:
+            setattr(self, name, state[name])

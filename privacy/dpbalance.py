@@ -322,6 +322,16 @@ class DPBalance:
         return grants
 
 
+def _grant_in_order(pipelines: Sequence[Pipeline], free: dict[str, float]) -> list[Grant]:
+    """Grant each pipeline its whole demand, in this order, while its blocks have budget."""
+    grants = []
+    for p in pipelines:
+        if p.demand and _fits(p.demand, free):
+            _take(p.demand, free)
+            grants.append(_grant(p, 1.0))
+    return grants
+
+
 @dataclass
 class DPF:
     """Dominant Private Block Fairness (Luo et al., OSDI'21), DPF-N unlocking.
@@ -343,12 +353,7 @@ class DPF:
         order = sorted(
             enumerate(problem.pipelines), key=lambda jp: (_dominant_share(jp[1], blocks), jp[0])
         )
-        grants = []
-        for _, p in order:
-            if p.demand and _fits(p.demand, free):
-                _take(p.demand, free)
-                grants.append(_grant(p, 1.0))
-        return grants
+        return _grant_in_order([p for _, p in order], free)
 
 
 @dataclass
@@ -366,12 +371,7 @@ class DPK:
             return 1.0 / cost if cost > 0 else 0.0
 
         order = sorted(enumerate(problem.pipelines), key=lambda jp: (-efficiency(jp[1]), jp[0]))
-        grants = []
-        for _, p in order:
-            if p.demand and _fits(p.demand, free):
-                _take(p.demand, free)
-                grants.append(_grant(p, 1.0))
-        return grants
+        return _grant_in_order([p for _, p in order], free)
 
 
 @dataclass
@@ -383,12 +383,7 @@ class FCFS:
     def allocate(self, problem: Problem) -> list[Grant]:
         """Grants in arrival order."""
         free = {b: blk.available for b, blk in problem.blocks.items()}
-        grants = []
-        for p in problem.pipelines:
-            if p.demand and _fits(p.demand, free):
-                _take(p.demand, free)
-                grants.append(_grant(p, 1.0))
-        return grants
+        return _grant_in_order(problem.pipelines, free)
 
 
 SCHEDULERS = ("dpbalance", "dpf", "dpk", "fcfs")

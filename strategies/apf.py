@@ -136,6 +136,7 @@ class APFServer(ServerStrategy):
     """FedAvg over active scalars, with the freezing controller run after aggregation."""
 
     params: APFParams
+    state_attributes = ("freezing", "trained_mask", "replied")
 
     def __init__(self, params: APFParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -192,18 +193,6 @@ class APFServer(ServerStrategy):
             out["stability_threshold"] = self.freezing.threshold
             out["mean_freezing_period"] = float(periods.mean()) if len(periods) else 0.0
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "freezing": self.freezing,
-            "trained_mask": self.trained_mask,
-            "replied": self.replied,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.freezing = state["freezing"]
-        self.trained_mask = state["trained_mask"]
-        self.replied = dict(state["replied"])
 
 
 class APFHooks(ClientHooks):

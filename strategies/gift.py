@@ -113,6 +113,7 @@ class GIFTServer(ServerStrategy):
     """FedAvg whose clients get the current τ as `local-steps`; τ tuned after aggregation."""
 
     params: GIFTParams
+    state_attributes = ("frequency", "round_steps", "consistency")
 
     def __init__(self, params: GIFTParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -144,18 +145,6 @@ class GIFTServer(ServerStrategy):
             out["next_local_steps"] = self.frequency.steps
             out["sync_window"] = int(self.frequency.detector.window[0])
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "frequency": self.frequency,
-            "round_steps": self.round_steps,
-            "consistency": self.consistency,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.frequency = state["frequency"]
-        self.round_steps = state["round_steps"]
-        self.consistency = state["consistency"]
 
 
 STRATEGY = register("gift", server=GIFTServer, client=ClientHooks, params=GIFTParams)

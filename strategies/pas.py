@@ -168,6 +168,7 @@ class PASServer(ServerStrategy):
     """FedAvg per scalar; per-scalar periods tuned after aggregation; overlap credited."""
 
     params: PASParams
+    state_attributes = ("control", "shortened", "replied", "consistency")
 
     def __init__(self, params: PASParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -236,20 +237,6 @@ class PASServer(ServerStrategy):
             out["period_histogram"] = {str(p): n for p, n in group_sizes(self.round_periods)}
             out["shortened"] = len(self.shortened)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "control": self.control,
-            "shortened": self.shortened,
-            "replied": self.replied,
-            "consistency": self.consistency,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.control = state["control"]
-        self.shortened = state["shortened"]
-        self.replied = dict(state["replied"])
-        self.consistency = state["consistency"]
 
 
 # ----- client half ----------------------------------------------------------------------
