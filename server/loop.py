@@ -215,7 +215,13 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     bar.close()
     torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
     privacy.finish()
-    return run_log.finish(privacy.summary())
+    summary = run_log.finish(privacy.summary())
+    if cfg.progress and "final_accuracy" in summary:
+        print(
+            f"final accuracy {summary['final_accuracy']:.4f} after {summary['rounds']} rounds; "
+            f"outputs in {out_dir}"
+        )
+    return summary
 
 
 def _system_options(cfg: DictConfig) -> dict[str, Any]:
