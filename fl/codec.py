@@ -19,6 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fl.records import (
     Layout,
+    array_record,
     array_to_numpy,
     arrays_to_vector,
     numpy_to_array,
@@ -81,7 +82,7 @@ def encode_masked(
     otherwise the receiver must already hold the same mask.
     """
     values = vector[mask].contiguous()
-    arrays = ArrayRecord({"values": numpy_to_array(values.numpy())})
+    arrays = array_record({"values": numpy_to_array(values.numpy())})
     control = 0
     if ship_mask:
         arrays["mask"] = bitmap(mask)
