@@ -14,6 +14,7 @@ __all__ = [
     "ConsistencyEMA",
     "PerturbationEMA",
     "PlateauDetector",
+    "check_tuning_settings",
     "consistency",
     "consistency_ratio",
 ]
@@ -107,6 +108,18 @@ class ConsistencyEMA:
         else:
             self.positive[where] = 0.0
             self.negative[where] = 0.0
+
+
+def check_tuning_settings(
+    ratio: float, ema: float, window: int, window_growth: float, warmup: int
+) -> None:
+    """Validate the knobs shared by stall-driven tuners (GIFT, PAS), naming the bad key."""
+    if ratio <= 1:
+        raise ValueError("strategy.ratio must be > 1")
+    if not 0 <= ema < 1:
+        raise ValueError("strategy.ema must be in [0, 1)")
+    if window < 0 or window_growth < 1 or warmup < 0:
+        raise ValueError("strategy.window, warmup must be >= 0 and window_growth >= 1")
 
 
 @dataclass

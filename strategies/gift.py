@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fl.diagnosis import ConsistencyEMA, PlateauDetector
+from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks
 from fl.registry import register
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -49,12 +49,7 @@ class GIFTParams:
             )
         if not 1 <= self.min_steps <= self.initial_steps:
             raise ValueError("strategy.min_steps must be in [1, initial_steps]")
-        if self.ratio <= 1:
-            raise ValueError("strategy.ratio must be > 1")
-        if not 0 <= self.ema < 1:
-            raise ValueError("strategy.ema must be in [0, 1)")
-        if self.window < 0 or self.window_growth < 1 or self.warmup < 0:
-            raise ValueError("strategy.window, warmup must be >= 0 and window_growth >= 1")
+        check_tuning_settings(self.ratio, self.ema, self.window, self.window_growth, self.warmup)
         if self.increase_margin < 0:
             raise ValueError("strategy.increase_margin must be >= 0")
 

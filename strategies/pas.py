@@ -31,7 +31,7 @@ from torch import nn
 
 from fl.clock import ClientWork, DeviceProfile, pipelined_seconds, sequential_seconds
 from fl.codec import CodecError, decode, with_control
-from fl.diagnosis import ConsistencyEMA, PlateauDetector
+from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks, Reply
 from fl.masking import Rollback
 from fl.records import Layout, array_to_numpy, numpy_to_array
@@ -72,12 +72,7 @@ class PASParams:
             raise ValueError("strategy.levels must be >= 0")
         if self.initial_period > np.iinfo(np.int16).max:
             raise ValueError("strategy.initial_period must fit in int16 (<= 32767)")
-        if self.ratio <= 1:
-            raise ValueError("strategy.ratio must be > 1")
-        if not 0 <= self.ema < 1:
-            raise ValueError("strategy.ema must be in [0, 1)")
-        if self.window < 0 or self.window_growth < 1 or self.warmup < 0:
-            raise ValueError("strategy.window, warmup must be >= 0 and window_growth >= 1")
+        check_tuning_settings(self.ratio, self.ema, self.window, self.window_growth, self.warmup)
 
 
 def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> None:
