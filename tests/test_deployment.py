@@ -105,10 +105,10 @@ def _start(cmd: list[str], log: Path, home: Path) -> subprocess.Popen[bytes]:
         )
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
-    root = tmp_path_factory.mktemp("federation")
-    link_port, *node_ports = _free_ports(3)
+@contextlib.contextmanager
+def running_federation(root: Path, nodes: int = 2) -> Iterator[Federation]:
+    """An insecure SuperLink and `nodes` SuperNodes (partition i of `nodes`) on 127.0.0.1."""
+    link_port, *node_ports = _free_ports(1 + nodes)
     fed = Federation(link_port, root)
     try:
         home = root / "superlink"
@@ -139,10 +139,10 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
                         "--insecure",
                         "--superlink",
                         f"127.0.0.1:{link_port}",
-                        "--port",  # the node's own Runtime API; two nodes, two ports
+                        "--port",  # the node's own Runtime API; one port per node
                         str(node_port),
                         "--node-config",
-                        f"partition-id={pid} num-partitions=2",
+                        f"partition-id={pid} num-partitions={nodes}",
                     ],
                     root / f"supernode{pid}.log",
                     home,
@@ -151,6 +151,12 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
         yield fed
     finally:
         _stop(fed.procs)
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    with running_federation(tmp_path_factory.mktemp("federation")) as fed:
+        yield fed
 
 
 def _submit(fed: Federation, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

@@ -9,41 +9,15 @@ import time
 
 import pytest
 from conftest import read_metrics
-from test_deployment import (
-    BIN,
-    Federation,
-    _free_ports,
-    _start,
-    _stop,
-    _submit,
-    _wait_listening,
-)
+from test_deployment import _submit, running_federation
 
 NODES = 3
 
 
 @pytest.fixture
 def federation(tmp_path):
-    link_port, *node_ports = _free_ports(1 + NODES)
-    fed = Federation(link_port, tmp_path)
-    try:
-        home = tmp_path / "superlink"
-        home.mkdir()
-        cmd = [str(BIN / "flower-superlink"), "--insecure", "--database", str(tmp_path / "s.db")]
-        cmd += ["--host", "127.0.0.1", "--port", str(link_port)]
-        link = _start(cmd, tmp_path / "superlink.log", home)
-        fed.procs.append(link)
-        _wait_listening(link_port, link)
-        for pid, node_port in enumerate(node_ports):
-            home = tmp_path / f"supernode{pid}"
-            home.mkdir()
-            cmd = [str(BIN / "flower-supernode"), "--insecure"]
-            cmd += ["--superlink", f"127.0.0.1:{link_port}", "--port", str(node_port)]
-            cmd += ["--node-config", f"partition-id={pid} num-partitions={NODES}"]
-            fed.procs.append(_start(cmd, tmp_path / f"supernode{pid}.log", home))
+    with running_federation(tmp_path, NODES) as fed:
         yield fed
-    finally:
-        _stop(fed.procs)
 
 
 @pytest.mark.integration
