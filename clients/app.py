@@ -20,7 +20,7 @@ from fl.codec import decode
 from fl.config import from_run_config, plain, run_config_key
 from fl.faults import fault_mod
 from fl.registry import StrategySpec, get_strategy
-from fl.seeding import derive_seed
+from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
 from privacy.dpsgd import DPSGD
 
@@ -54,6 +54,7 @@ _SETUPS: dict[str, _Setup] = {}
 
 
 def _make_setup(cfg: DictConfig) -> _Setup:
+    pin_torch_threads(cfg.torch_threads)
     strategy = plain(cfg.strategy)
     spec = get_strategy(str(strategy["name"]))
     settings = TrainSettings(

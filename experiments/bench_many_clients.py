@@ -120,7 +120,7 @@ def plain_worker(clients: int, rounds: int, result: Path) -> None:
     """Arm `plain`: for each round, each client in order: load, train, collect; then average."""
     import torch
 
-    torch.set_num_threads(1)  # as our engine (engine.torch_threads=1)
+    torch.set_num_threads(1)  # as our engine (torch_threads=1)
     lr = config_lr()
     data, parts = workload(clients)
     model = initial_model()

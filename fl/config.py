@@ -175,6 +175,7 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "local_steps", 0)
     _int_at_least(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
     _int_at_least(cfg, "checkpoint_every", 1)
+    _int_at_least(cfg, "torch_threads", 0)
     _require(
         cfg.clients_per_round <= cfg.num_clients,
         "clients_per_round",
@@ -243,7 +244,6 @@ def validate(cfg: DictConfig) -> None:
     )
     if cfg.engine.name == "local":
         _int_at_least(cfg, "engine.workers", 1)
-        _int_at_least(cfg, "engine.torch_threads", 0)
     strategy = plain(cfg.strategy)
     try:
         get_strategy(str(strategy["name"])).make_params(strategy)

@@ -12,6 +12,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fl.config import from_run_config, validate
+from fl.seeding import pin_torch_threads
 from server.loop import run_training
 
 __all__ = ["app"]
@@ -24,5 +25,6 @@ def main(grid: Grid, context: Context) -> None:
     """Train for the configured rounds; outputs go to `output_dir` (or outputs/run-ID)."""
     cfg = from_run_config(context.run_config)
     validate(cfg)
+    pin_torch_threads(cfg.torch_threads)
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
     run_training(grid, cfg, out_dir)

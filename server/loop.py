@@ -12,17 +12,17 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from fl.clock import ClientWork, VirtualClock, build_profiles
 from fl.codec import Traffic, payload_traffic
 from fl.config import plain
+from fl.console import RoundReporter
 from fl.registry import get_strategy
 from fl.strategy import ClientUpdate, ServerStrategy
 from fl.task import get_task
@@ -31,8 +31,9 @@ from privacy.central import wrap_central_dp
 from privacy.rounds import RoundPrivacy
 from server.checkpoint import load_checkpoint, restore_rng, rng_state, save_checkpoint
 from server.evaluation import evaluate_global
+from server.nodes import discover_partitions
 
-__all__ = ["Progress", "discover_partitions", "make_strategy", "run_training"]
+__all__ = ["Progress", "make_strategy", "run_training"]
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pt"
@@ -73,27 +74,6 @@ class Progress:
         }
 
 
-def discover_partitions(grid: Grid, expected: int, timeout_s: float = 300.0) -> dict[int, int]:
-    """Map node id -> partition id by asking every node (waits for `expected` nodes)."""
-    deadline = time.monotonic() + timeout_s
-    while len(nodes := sorted(grid.get_node_ids())) < expected:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"only {len(nodes)} of {expected} nodes connected after {timeout_s} s"
-            )
-        time.sleep(0.5)
-    queries = [Message(RecordDict(), node, MessageType.QUERY + ".info") for node in nodes]
-    replies = list(grid.send_and_receive(queries, timeout=timeout_s))
-    found = {
-        r.metadata.src_node_id: cast(int, r.content.config_records["info"]["partition-id"])
-        for r in replies
-        if r.has_content()
-    }
-    if len(found) < expected:
-        raise RuntimeError(f"{len(found)} of {expected} nodes answered the partition query")
-    return found
-
-
 def make_strategy(cfg: DictConfig) -> ServerStrategy:
     """The configured strategy's server half (inside Flower's central-DP wrapper if set)."""
     values = plain(cfg.strategy)
@@ -105,14 +85,6 @@ def make_strategy(cfg: DictConfig) -> ServerStrategy:
         max_update_norm=float(cfg.max_update_norm),
     )
     return wrap_central_dp(strategy, cfg)
-
-
-def _print_row(bar: tqdm, row: dict[str, Any], first: bool) -> None:
-    cols = ("round", "accuracy", "loss", "bytes_up", "bytes_down", "virtual_time_s")
-    if first:
-        bar.write("  ".join(f"{c:>14}" for c in cols))
-    cells = [f"{row[c]:>14.4f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols]
-    bar.write("  ".join(cells))
 
 
 def _resume(path: Path, strategy: ServerStrategy, grid: Grid) -> tuple[Progress, dict[str, Any]]:
@@ -146,9 +118,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     privacy.load_state_dict(progress.extra.get("privacy", {}))
     stop = privacy.start()
 
-    header = True
-    bar = tqdm(
-        total=cfg.rounds, initial=progress.round, desc=cfg.strategy.name, disable=not cfg.progress
+    reporter = RoundReporter(
+        cfg.rounds, progress.round, cfg.strategy.name, enabled=bool(cfg.progress)
     )
     budget = cfg.get("time_budget_s") or float("inf")
     for server_round in range(progress.round + 1, cfg.rounds + 1):
@@ -195,11 +166,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         }
         run_log.append(row)
         progress.extra["privacy"] = privacy.state_dict()
-        if cfg.progress:
-            _print_row(bar, row, header)
-            header = False
-        bar.set_postfix(acc=f"{accuracy:.3f}")
-        bar.update()
+        reporter.round_done(row)
         last = server_round == cfg.rounds or progress.virtual_time_s >= budget
         if server_round % cfg.checkpoint_every == 0 or last:
             save_checkpoint(
@@ -212,15 +179,10 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "rng": rng_state(),
                 },
             )
-    bar.close()
     torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
     privacy.finish()
     summary = run_log.finish(privacy.summary())
-    if cfg.progress and "final_accuracy" in summary:
-        print(
-            f"final accuracy {summary['final_accuracy']:.4f} after {summary['rounds']} rounds; "
-            f"outputs in {out_dir}"
-        )
+    reporter.close(summary, out_dir)
     return summary
 
 

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -147,9 +146,6 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
     """Run the ServerApp against a LocalGrid of `cfg.num_clients` ClientApp nodes."""
     from clients.app import app as client_app
     from server.app import app as server_app
-
-    if cfg.engine.torch_threads:
-        torch.set_num_threads(cfg.engine.torch_threads)
 
     grid = LocalGrid(
         client_app,
