@@ -9,14 +9,16 @@ from the `conf/` tree.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import types
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
     "CONF_DIR",
@@ -24,6 +26,7 @@ __all__ = [
     "compose",
     "from_run_config",
     "plain",
+    "preflight",
     "run_config_key",
     "to_run_config",
     "validate",
@@ -39,6 +42,11 @@ ENGINES = ("local", "flower-sim", "deployment")
 LOGGERS = ("jsonl", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY = ("none", "dpsgd", "central")
+MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
+OUTPUT_DIR_RULE = (
+    "fl-run sets it to the Hydra run directory, so use hydra.run.dir=DIR instead "
+    "(only engine=deployment takes an output_dir: an absolute path on the SuperLink's machine)"
+)
 
 
 class ConfigError(ValueError):
@@ -100,12 +108,12 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
         raise ConfigError(f"invalid config: {key}={value!r}: {rule}")
 
 
-def _int_at_least(cfg: DictConfig, key: str, low: int) -> None:
+def _integer(cfg: DictConfig, key: str, low: int, high: int | None = None) -> None:
     value = OmegaConf.select(cfg, key)
-    _require(
-        isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer"
-    )
-    _require(value >= low, key, value, f"must be >= {low}")
+    top = math.inf if high is None else high
+    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= top
+    rule = f">= {low}" if high is None else f"in [{low}, {high}]"
+    _require(ok, key, value, f"must be an integer {rule}")
 
 
 def _one_of(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
@@ -113,40 +121,167 @@ def _one_of(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, value, f"must be one of {list(choices)}")
 
 
-def _number(cfg: DictConfig, key: str, low: float, high: float = math.inf) -> None:
+def _is_finite(value: Any) -> bool:
+    """A real int or float, not a bool, neither inf nor nan."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(
+    cfg: DictConfig,
+    key: str,
+    low: float,
+    high: float = math.inf,
+    *,
+    strict: bool = False,
+    null: bool = False,
+) -> None:
+    """`key` must be a finite number in [low, high] (above `low` if strict), or null if allowed."""
     value = OmegaConf.select(cfg, key)
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
-    _require(ok, key, value, f"must be a number in [{low}, {high}]")
+    if null and value is None:
+        return
+    ok = _is_finite(value) and (value > low if strict else value >= low) and value <= high
+    bound = f"> {low}" if strict else f">= {low}"
+    rule = bound if high == math.inf else f"in {'(' if strict else '['}{low}, {high}]"
+    _require(ok, key, value, f"must be {'null or ' if null else ''}a finite number {rule}")
+
+
+@lru_cache(maxsize=1)
+def _known_keys() -> tuple[str, ...]:
+    """Top-level keys of conf/config.yaml and its config groups: all a run may set."""
+    base = OmegaConf.load(CONF_DIR / "config.yaml")
+    groups = [str(next(iter(d))).split()[-1] for d in base.defaults if isinstance(d, DictConfig)]
+    return tuple(sorted({str(k) for k in base if k != "defaults"} | set(groups)))
+
+
+def _validate_keys(cfg: DictConfig) -> None:
+    """Refuse top-level keys added with `+` that nothing reads (a typo), suggesting the closest."""
+    known = _known_keys()
+    unknown = [str(k) for k in cfg if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+        raise ConfigError(
+            f"invalid config: unknown key {unknown[0]!r} (not in conf/config.yaml); {hint}"
+        )
+
+
+def _validate_run(cfg: DictConfig) -> None:
+    """The top-level numbers of conf/config.yaml."""
+    for key in ("num_clients", "clients_per_round", "rounds", "batch_size"):
+        _integer(cfg, key, 1)
+    _integer(cfg, "local_steps", 0)
+    _integer(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
+    _integer(cfg, "checkpoint_every", 1)
+    _integer(cfg, "torch_threads", 0)
+    _integer(cfg, "seed", 0, MAX_SEED)
+    _require(
+        cfg.clients_per_round <= cfg.num_clients,
+        "clients_per_round",
+        cfg.clients_per_round,
+        f"must be <= num_clients ({cfg.num_clients})",
+    )
+    _number(cfg, "lr", 0, strict=True)
+    _number(cfg, "round_timeout_s", 0, strict=True, null=True)
+    _number(cfg, "momentum", 0)
+    _number(cfg, "weight_decay", 0)
+    bound = cfg.max_update_norm
+    _require(
+        isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 0,
+        "max_update_norm",
+        bound,
+        "must be a number > 0 (.inf for no bound)",
+    )
+    _number(cfg, "target_accuracy", 0, 1, strict=True, null=True)
+    _number(cfg, "time_budget_s", 0, strict=True, null=True)
+    output_dir = cfg.get("output_dir")
+    _require(
+        output_dir is None or (isinstance(output_dir, str) and Path(output_dir).is_absolute()),
+        "output_dir",
+        output_dir,
+        OUTPUT_DIR_RULE,
+    )
+
+
+def _validate_faults_and_system(cfg: DictConfig) -> None:
+    """Injected fault rates and the device/network profile of the virtual clock."""
+    rates = [cfg.faults[kind] for kind in ("crash", "dropout", "hang")]
+    _require(
+        all(_is_finite(r) and 0 <= r <= 1 for r in rates) and sum(rates) <= 1,
+        "faults",
+        rates,
+        "crash, dropout and hang rates must be in [0, 1] and sum to at most 1",
+    )
+    _number(cfg, "faults.hang_s", 0)
+    for key in ("speed", "up_mbps", "down_mbps"):
+        _number(cfg, f"system.{key}", 0, strict=True)
+    for key in ("speed_spread", "bandwidth_spread"):
+        _number(cfg, f"system.{key}", 1)
+    _number(cfg, "system.availability", 0, 1, strict=True)
+
+
+def _validate_task(cfg: DictConfig) -> None:
+    """Dataset, model, its hidden widths and the partition scheme with its parameters."""
+    _one_of(cfg, "task.dataset", DATASETS)
+    _one_of(cfg, "task.model", MODELS)
+    hidden = OmegaConf.select(cfg, "task.hidden")
+    _require(
+        hidden is None
+        or (
+            isinstance(hidden, ListConfig | list)
+            and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden)
+        ),
+        "task.hidden",
+        hidden,
+        "must be a list of layer widths, integers >= 1, e.g. [64] or [128,64]",
+    )
+    _one_of(cfg, "partition.scheme", SCHEMES)
+    scheme = cfg.partition.scheme
+    if OmegaConf.select(cfg, "partition.min_size") is not None:
+        _integer(cfg, "partition.min_size", 1)  # every client gets an example
+    if scheme == "dirichlet":
+        _number(cfg, "partition.alpha", 0, strict=True)
+    if scheme == "shards":
+        _integer(cfg, "partition.classes_per_client", 1)
+    if scheme == "natural":
+        _require(
+            cfg.task.dataset == "synthetic", "partition.scheme", scheme, "needs task=synthetic"
+        )
 
 
 def _validate_privacy(cfg: DictConfig) -> None:
     """privacy=none | dpsgd | central; with DP-SGD the model must be one Opacus can train."""
     _one_of(cfg, "privacy.name", PRIVACY)
     name = cfg.privacy.name
+    ledger_path = OmegaConf.select(cfg, "privacy.ledger.path")
+    if OmegaConf.select(cfg, "privacy.ledger.required", default=False):
+        _require(
+            bool(ledger_path),
+            "privacy.ledger.path",
+            ledger_path,
+            "this preset charges epsilon to a ledger (privacy.ledger.required); give a file path",
+        )
     if name == "dpsgd":
-        _number(cfg, "privacy.noise_multiplier", 0.0)
-        _number(cfg, "privacy.max_grad_norm", 1e-12)
-        _number(cfg, "privacy.delta", 1e-300, 1.0)
-        if cfg.privacy.target_epsilon is not None:
-            _number(cfg, "privacy.target_epsilon", 1e-6)
+        _number(cfg, "privacy.noise_multiplier", 0)
+        _number(cfg, "privacy.max_grad_norm", 0, strict=True)
+        _number(cfg, "privacy.delta", 0, 1, strict=True)
+        _number(cfg, "privacy.target_epsilon", 0, strict=True, null=True)
         _one_of(cfg, "privacy.accountant", ("rdp", "prv", "gdp"))
         _one_of(cfg, "privacy.sampling", ("poisson", "shuffle"))
-        if OmegaConf.select(cfg, "privacy.ledger.path"):
+        if ledger_path:
             _one_of(cfg, "privacy.ledger.scheduler", ("dpbalance", "dpf", "dpk", "fcfs"))
-            _number(cfg, "privacy.ledger.demand_epsilon", 1e-12)
-            _number(cfg, "privacy.ledger.block_budget", 1e-12)
-            _number(cfg, "privacy.ledger.beta", 0.0)
-            if OmegaConf.select(cfg, "privacy.ledger.kappa_max") is not None:
-                _number(cfg, "privacy.ledger.kappa_max", 1.0)
+            _number(cfg, "privacy.ledger.demand_epsilon", 0, strict=True)
+            _number(cfg, "privacy.ledger.block_budget", 0, strict=True)
+            _number(cfg, "privacy.ledger.beta", 0)
+            _number(cfg, "privacy.ledger.kappa_max", 1, null=True)
         layer = _dp_incompatible_layer(cfg)
         _require(layer is None, "task.model", cfg.task.model, f"Opacus cannot train {layer}")
     if name in ("dpsgd", "central"):
         _one_of(cfg, "privacy.server_dp.mode", ("none", "fixed", "adaptive"))
         if cfg.privacy.server_dp.mode != "none":
-            _number(cfg, "privacy.server_dp.noise_multiplier", 0.0)
-            _number(cfg, "privacy.server_dp.clipping_norm", 1e-12)
-            _number(cfg, "privacy.server_dp.target_clipped_quantile", 0.0, 1.0)
-            _number(cfg, "privacy.server_dp.clip_norm_lr", 0.0)
+            _number(cfg, "privacy.server_dp.noise_multiplier", 0)
+            _number(cfg, "privacy.server_dp.clipping_norm", 0, strict=True)
+            _number(cfg, "privacy.server_dp.target_clipped_quantile", 0, 1)
+            _number(cfg, "privacy.server_dp.clip_norm_lr", 0)
 
 
 def _dp_incompatible_layer(cfg: DictConfig) -> str | None:
@@ -166,86 +301,86 @@ def _dp_incompatible_layer(cfg: DictConfig) -> str | None:
     return None
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check every option before the run starts; raise ConfigError naming the bad key."""
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a config value fits a params field's annotation (floats finite, no bool as int)."""
+    if isinstance(hint, types.UnionType) or get_origin(hint) is Union:
+        return any(_has_type(value, arg) for arg in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return _is_finite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    return True  # richer annotations are left to the params' own `validate`
+
+
+def _type_name(hint: Any) -> str:
+    """A params field's annotation as a message says it ("a finite number")."""
+    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+    if isinstance(hint, types.UnionType) or get_origin(hint) is Union:
+        return " or ".join(_type_name(arg) for arg in get_args(hint))
+    return names.get(hint, "null" if hint is type(None) else str(hint))
+
+
+def _validate_strategy(cfg: DictConfig) -> None:
+    """Each `strategy.KEY` must have its params field's type, then pass the params' `validate`."""
     from fl.registry import get_strategy
 
-    for key in ("num_clients", "clients_per_round", "rounds", "batch_size"):
-        _int_at_least(cfg, key, 1)
-    _int_at_least(cfg, "local_steps", 0)
-    _int_at_least(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
-    _int_at_least(cfg, "checkpoint_every", 1)
-    _int_at_least(cfg, "torch_threads", 0)
-    _require(
-        cfg.clients_per_round <= cfg.num_clients,
-        "clients_per_round",
-        cfg.clients_per_round,
-        f"must be <= num_clients ({cfg.num_clients})",
-    )
-    for key in ("lr", "round_timeout_s"):
-        value = cfg[key]
-        _require(isinstance(value, int | float) and value > 0, key, value, "must be a number > 0")
-    for key in ("momentum", "weight_decay"):
-        value = cfg[key]
-        _require(isinstance(value, int | float) and value >= 0, key, value, "must be a number >= 0")
-    _require(
-        isinstance(cfg.max_update_norm, int | float) and cfg.max_update_norm > 0,
-        "max_update_norm",
-        cfg.max_update_norm,
-        "must be a number > 0 (.inf for no bound)",
-    )
-    target = cfg.target_accuracy
-    _require(
-        target is None or (isinstance(target, int | float) and 0 < target <= 1),
-        "target_accuracy",
-        target,
-        "must be null or in (0, 1]",
-    )
-    budget = cfg.get("time_budget_s")
-    _require(
-        budget is None or (isinstance(budget, int | float) and budget > 0),
-        "time_budget_s",
-        budget,
-        "must be null or a number > 0",
-    )
-    rates = [cfg.faults[kind] for kind in ("crash", "dropout", "hang")]
-    _require(
-        all(isinstance(r, int | float) and 0 <= r <= 1 for r in rates) and sum(rates) <= 1,
-        "faults",
-        rates,
-        "crash, dropout and hang rates must be in [0, 1] and sum to at most 1",
-    )
-    _one_of(cfg, "device", DEVICES)
-    _one_of(cfg, "task.dataset", DATASETS)
-    _one_of(cfg, "task.model", MODELS)
-    _one_of(cfg, "partition.scheme", SCHEMES)
-    _one_of(cfg, "engine.name", ENGINES)
-    _one_of(cfg, "logger.name", LOGGERS)
-    _validate_privacy(cfg)
-    if cfg.partition.scheme == "dirichlet":
-        alpha = cfg.partition.alpha
-        _require(
-            isinstance(alpha, int | float) and alpha > 0, "partition.alpha", alpha, "must be > 0"
-        )
-    if cfg.partition.scheme == "natural":
-        _require(
-            cfg.task.dataset == "synthetic", "partition.scheme", "natural", "needs task=synthetic"
-        )
-    system = cfg.system
-    for key in ("speed", "up_mbps", "down_mbps"):
-        _require(system[key] > 0, f"system.{key}", system[key], "must be > 0")
-    for key in ("speed_spread", "bandwidth_spread"):
-        _require(system[key] >= 1, f"system.{key}", system[key], "must be >= 1")
-    _require(
-        0 < system.availability <= 1,
-        "system.availability",
-        system.availability,
-        "must be in (0, 1]",
-    )
-    if cfg.engine.name == "local":
-        _int_at_least(cfg, "engine.workers", 1)
-    strategy = plain(cfg.strategy)
+    values = plain(cfg.strategy)
     try:
-        get_strategy(str(strategy["name"])).make_params(strategy)
+        spec = get_strategy(str(values.get("name")))
+    except ValueError as err:
+        raise ConfigError(f"invalid config: strategy.name: {err}") from err
+    hints = get_type_hints(spec.params)
+    for key, value in values.items():
+        if key in hints:
+            hint = hints[key]
+            _require(
+                _has_type(value, hint), f"strategy.{key}", value, f"must be {_type_name(hint)}"
+            )
+    try:
+        spec.make_params(values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid config: strategy: {err}") from err
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every option before the run starts; raise ConfigError naming the bad key.
+
+    Also run by the ServerApp on the final config, where `output_dir` is fl-run's absolute
+    run directory: here any absolute path passes; `preflight` refuses a user's own.
+    """
+    _validate_keys(cfg)
+    _validate_run(cfg)
+    _one_of(cfg, "device", DEVICES)
+    _validate_faults_and_system(cfg)
+    _validate_task(cfg)
+    _one_of(cfg, "engine.name", ENGINES)
+    if cfg.engine.name == "local":
+        _integer(cfg, "engine.workers", 1)
+    if cfg.engine.name == "flower-sim":
+        _number(cfg, "engine.num_cpus_per_client", 0)
+        _number(cfg, "engine.num_gpus_per_client", 0)
+    _one_of(cfg, "logger.name", LOGGERS)
+    _validate_privacy(cfg)
+    _validate_strategy(cfg)
+
+
+def preflight(cfg: DictConfig) -> None:
+    """fl-run's checks of the user's config before it sets `output_dir` and starts the engine.
+
+    Refuses a user-given `output_dir` (fl-run sets it; only engine=deployment takes one, an
+    absolute path on the SuperLink's machine). Unless the clients run elsewhere
+    (deployment), builds the task as the ServerApp will: the device exists, the dataset's
+    files are there and the partition gives every client its examples. The task is
+    cached, so the ServerApp in this process (local, flower-sim) does not load it again.
+    """
+    explicit = cfg.get("output_dir")
+    deployment = cfg.engine.name == "deployment"
+    _require(explicit is None or deployment, "output_dir", explicit, OUTPUT_DIR_RULE)
+    if not deployment:
+        from fl.task import get_task
+
+        get_task(cfg)

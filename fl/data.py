@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,8 +129,10 @@ def _load_synthetic(
     holds out round(test_fraction * size) samples, always keeping one for training.
     """
     del root  # generated
-    if samples_per_device <= 0:
-        raise ValueError(f"samples_per_device must be > 0, got {samples_per_device}")
+    if not 0 < samples_per_device < math.inf:
+        raise ValueError(f"samples_per_device must be > 0 and finite, got {samples_per_device}")
+    if not (0 <= alpha < math.inf and 0 <= beta < math.inf):
+        raise ValueError(f"alpha and beta must be finite and >= 0, got {alpha}, {beta}")
     if not 0 <= test_fraction < 1:
         raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
     if num_devices < 1 or dim < 1 or num_classes < 2:
@@ -239,7 +242,7 @@ def _require_files(folder: Path, names: tuple[str, ...], how: str) -> None:
     if missing:
         raise DatasetNotFoundError(
             f"dataset files not found in {folder} (missing: {', '.join(missing)}); {how}. "
-            f"Set {DATA_DIR_ENV} or pass root to look elsewhere; nothing is ever downloaded."
+            f"Set task.root (or {DATA_DIR_ENV}) to look elsewhere; nothing is ever downloaded."
         )
 
 

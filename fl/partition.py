@@ -41,7 +41,8 @@ def partition_indices(
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if len(labels) < num_clients * min_size:
         raise ValueError(
-            f"{len(labels)} samples cannot give {num_clients} clients {min_size} each (min_size)"
+            f"{len(labels)} samples cannot give {num_clients} clients {min_size} each "
+            f"(min_size): use at most {len(labels) // max(min_size, 1)} clients"
         )
     rng = np.random.default_rng(seed)
     if scheme == "iid":

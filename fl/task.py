@@ -18,16 +18,20 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from fl.config import plain
-from fl.data import Dataset, load_dataset
+from fl.config import ConfigError, plain
+from fl.data import Dataset, DatasetNotFoundError, load_dataset
 from fl.models import build_model
 from fl.partition import partition_indices
 from fl.records import Layout
 
-__all__ = ["GPU_MEMORY_FRACTION", "Task", "get_task", "resolve_device"]
+__all__ = ["GPU_MEMORY_FRACTION", "NoDeviceError", "Task", "get_task", "resolve_device"]
 
 
 GPU_MEMORY_FRACTION = "FL_GPU_MEMORY_FRACTION"  # env: this process's share of its GPU
+
+
+class NoDeviceError(ConfigError, RuntimeError):
+    """device=cuda where no GPU is visible (a RuntimeError too, as it was before)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,7 +44,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but no CUDA device is visible to this process")
+        raise NoDeviceError(
+            "invalid config: device='cuda': no CUDA device is visible to this process; "
+            "use device=auto (a GPU where there is one) or device=cpu"
+        )
     device = torch.device(name)
     if device.type == "cuda":
         _cap_gpu_memory(os.environ.get(GPU_MEMORY_FRACTION))
@@ -109,28 +116,39 @@ class Task:
 def _build(key: str) -> Task:
     spec = json.loads(key)
     task, part = spec["task"], spec["partition"]
+    device = resolve_device(spec["device"])
     options = dict(task.get("options") or {})
     if task["dataset"] == "synthetic":
         options.setdefault("num_devices", spec["num_clients"])
     if task["model"] in ("cnn", "lenet5", "resnet18") and task["dataset"] == "digits":
         options.setdefault("flat", False)
-    dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
-    labels = dataset.y_train.numpy()
-    partitions = partition_indices(
-        labels,
-        spec["num_clients"],
-        part["scheme"],
-        seed=spec["seed"],
-        **{k: v for k, v in part.items() if k != "scheme"},
-        groups=dataset.groups,
-    )
+    try:
+        dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
+    except DatasetNotFoundError as err:
+        raise ConfigError(f"invalid config: task.dataset={task['dataset']!r}: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"invalid config: task.options of {task['dataset']}: {err}") from err
+    try:
+        partitions = partition_indices(
+            dataset.y_train.numpy(),
+            spec["num_clients"],
+            part["scheme"],
+            seed=spec["seed"],
+            **{k: v for k, v in part.items() if k != "scheme"},
+            groups=dataset.groups,
+        )
+    except ValueError as err:
+        raise ConfigError(
+            f"invalid config: num_clients={spec['num_clients']}: partition={part['scheme']} "
+            f"of {task['dataset']}: {err}"
+        ) from err
     return Task(
         dataset,
         partitions,
         task["model"],
         tuple(task.get("hidden") or ()),
         spec["seed"],
-        resolve_device(spec["device"]),
+        device,
     )
 
 
