@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fl.state import checkpointable
+
 __all__ = [
     "ConsistencyEMA",
     "PerturbationEMA",
@@ -20,6 +22,7 @@ __all__ = [
 ]
 
 
+@checkpointable
 @dataclass
 class PerturbationEMA:
     """APF's effective perturbation, EMA form: P = |EMA(delta)| / EMA(|delta|) per scalar.
@@ -71,6 +74,7 @@ def consistency(updates: torch.Tensor) -> torch.Tensor:
     return consistency_ratio(updates.clamp_min(0).sum(0), updates.clamp_max(0).sum(0))
 
 
+@checkpointable
 @dataclass
 class ConsistencyEMA:
     """Gradient consistency with bilateral EMA pooling (PAS §IV-A; GIFT's metric, averaged).
@@ -122,6 +126,7 @@ def check_tuning_settings(
         raise ValueError("strategy.window, warmup must be >= 0 and window_growth >= 1")
 
 
+@checkpointable
 @dataclass
 class PlateauDetector:
     """Per series: has it stopped reaching new lows? The GIFT/PAS stall test.

@@ -1,39 +1,101 @@
 """`fl-run`: the Hydra entry point (also `python -m fl.run`).
 
-Composes and validates the config, pins the output directory, then hands the resolved
-config to the chosen engine, which runs our ServerApp and ClientApp.
+Composes and validates the config, makes sure the output directory holds no other run
+(unless `resume=true` or `overwrite=true`), then hands the resolved config to the
+chosen engine, which runs our ServerApp and ClientApp. Problems the user can fix end
+in one line on stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
-from fl.config import CONF_DIR, ConfigError, to_run_config, validate
+from fl.config import CONF_DIR, ConfigError, preflight, to_run_config, validate
 from fl.engines import run_engine
+from fl.errors import RunError
+from fl.tracking import holds_run
 
-__all__ = ["main"]
+__all__ = ["latest_run", "main"]
 
 log = logging.getLogger(__name__)
+OUTPUTS = Path("outputs")  # where `hydra.run.dir` points by default (conf/config.yaml)
+OVERRIDES = Path(".hydra") / "overrides.yaml"  # the command line of a run, for labels and resume
+
+
+def _check_output_dir(cfg: DictConfig, out_dir: Path) -> None:
+    """Refuse to start a fresh run in a directory that holds another run's outputs."""
+    if not cfg.resume and not cfg.get("overwrite") and holds_run(out_dir):
+        raise RunError(
+            f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
+            "to replace it, or choose another hydra.run.dir"
+        )
+
+
+def _save_overrides(out_dir: Path, *, resume: bool) -> None:
+    """Keep this command line beside the run (Hydra's own copy is off: it would overwrite)."""
+    path = out_dir / OVERRIDES
+    if resume and path.exists():
+        return  # a resume keeps the command line that started the run
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(list(HydraConfig.get().overrides.task)))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def _main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-    except ConfigError as err:
+        preflight(cfg)  # the user's output_dir; device, data files and partition sizes
+        _check_output_dir(cfg, out_dir)
+        _save_overrides(out_dir, resume=bool(cfg.resume))
+        with open_dict(cfg):
+            cfg.output_dir = str(out_dir)
+        print(f"fl-run: run directory {out_dir}", flush=True)
+        run_engine(cfg, to_run_config(cfg))
+    except (ConfigError, RunError) as err:
         raise SystemExit(f"fl-run: {err}") from None
-    with open_dict(cfg):
-        cfg.output_dir = HydraConfig.get().runtime.output_dir
-    run_engine(cfg, to_run_config(cfg))
+
+
+def latest_run(root: Path = OUTPUTS) -> Path | None:
+    """The run directory under `root` whose checkpoint was written last, if any."""
+    checkpoints = [p for p in root.glob("**/checkpoint*.pt") if p.is_file()]
+    if not checkpoints:
+        return None
+    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent.resolve()
+
+
+def _expand_resume_latest(argv: list[str]) -> list[str]:
+    """`resume=latest` -> the latest run's own overrides, then the user's, then its dir."""
+    if "resume=latest" not in argv:
+        return argv
+    run_dir = latest_run()
+    if run_dir is None:
+        raise SystemExit(f"fl-run: resume=latest: no run with a checkpoint under {OUTPUTS}/")
+    saved_path = run_dir / OVERRIDES
+    saved = yaml.safe_load(saved_path.read_text()) if saved_path.exists() else []
+    own_keys = ("resume", "overwrite", "hydra.run.dir")
+    kept = [o for o in saved if o.lstrip("+~").split("=", 1)[0] not in own_keys]
+    rest = [a for a in argv if a != "resume=latest"]
+    print(f"fl-run: resuming {run_dir}", flush=True)
+    return [*kept, *rest, f"hydra.run.dir={run_dir}", "resume=true"]
 
 
 def main() -> None:
     """Console-script entry point."""
+    if "--version" in sys.argv[1:]:
+        versions = f"flwr {version('flwr')}, torch {version('torch')}"
+        print(f"adaptive-fl {version('adaptive-fl')} ({versions})")
+        return
+    sys.argv[1:] = _expand_resume_latest(sys.argv[1:])
     _main()
 
 

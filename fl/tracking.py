@@ -2,7 +2,8 @@
 
 One JSON object per round goes to `metrics.jsonl`; the same rows go to W&B when
 `logger=wandb` (offline unless WANDB_MODE says otherwise). A resumed run truncates
-the file to the checkpointed round and continues it.
+the file from the checkpoint's rows (the checkpoint is the record; the file is its copy,
+so a torn or lost last line cannot falsify a resume) and continues it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl.config import plain
 
-__all__ = ["RunLog", "summarize"]
+__all__ = ["RUN_FILES", "RunLog", "clear_run", "holds_run", "summarize"]
+
+# What a run leaves in its directory; any of them means the directory holds a run.
+RUN_FILES = (
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoint.pt",
+    "checkpoint.prev.pt",
+    "model.pt",
+    "config.yaml",
+    "accuracy.png",
+)
+
+
+def holds_run(out_dir: Path) -> bool:
+    """Whether `out_dir` holds outputs of a run (started, killed or finished)."""
+    return any((out_dir / name).exists() for name in RUN_FILES)
+
+
+def clear_run(out_dir: Path) -> None:
+    """Remove a previous run's outputs (`overwrite=true`), so nothing of it mixes in."""
+    for name in RUN_FILES:
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict[str, Any]:
@@ -54,23 +77,20 @@ def _jsonable(value: Any) -> Any:
 class RunLog:
     """Writes one run's outputs into its directory."""
 
-    def __init__(self, out_dir: Path, cfg: DictConfig, *, resume_round: int = 0) -> None:
+    def __init__(
+        self, out_dir: Path, cfg: DictConfig, rows: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Start the outputs; `rows` are the rounds a resumed run already has."""
         self.out_dir = out_dir
         self.cfg = cfg
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         self.path = out_dir / "metrics.jsonl"
-        self.rows = self._read(resume_round) if resume_round else []
+        self.rows = list(rows or [])
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         self.wandb: Any = None
         if cfg.logger.name == "wandb":
             self.wandb = self._start_wandb()
-
-    def _read(self, up_to_round: int) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
-        return [r for r in rows if r["round"] <= up_to_round]
 
     def _start_wandb(self) -> Any:
         import wandb

@@ -1,45 +1,118 @@
-"""Atomic checkpoints: written to a temporary file, fsynced, then renamed over the old one.
+"""Checkpoints a run can trust: atomic, two deep, safe to load, and tied to their config.
 
-A crash at any moment leaves either the previous checkpoint or the new one, never a
-torn file.
+Each save renames the previous checkpoint to `checkpoint.prev.pt` and writes the new one
+through a temporary file (write, fsync, rename), so a crash at any moment leaves at
+least one whole checkpoint. Loading never executes code from the file: torch's
+`weights_only` unpickler accepts tensors, numbers, strings and containers, plus the
+state classes marked `@fl.state.checkpointable`; node states (Flower
+`RecordDict`s) travel as Flower's own protobuf bytes. A truncated, empty or garbage
+newest file falls back to the previous one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+from numpy._core.multiarray import _reconstruct  # numpy's own pickle hook for arrays
 
-__all__ = ["load_checkpoint", "restore_rng", "rng_state", "save_checkpoint"]
+from fl.errors import RunError
+from fl.registry import available, get_strategy
+from fl.state import state_types
+
+__all__ = [
+    "CHECKPOINT",
+    "CheckpointError",
+    "check_resumable",
+    "load_checkpoint",
+    "restore_rng",
+    "rng_state",
+    "save_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+# Keys a resume may change: how long to run, how to report, which engine runs it.
+RESUMABLE_CHANGES = (
+    "rounds",
+    "time_budget_s",
+    "target_accuracy",
+    "resume",
+    "overwrite",
+    "progress",
+    "output_dir",
+    "checkpoint_every",
+    "engine",
+    "logger",
+    "experiment_title",
+)
+REQUIRED = ("config", "progress", "rows", "arrays", "strategy", "nodes", "rng")
+_RECORDDICT = "__recorddict_proto__"
+# numpy arrays inside strategy state (e.g. masks) are rebuilt by these, and only these.
+_NUMPY_GLOBALS: list[Any] = [np.ndarray, np.dtype, _reconstruct]
+
+
+class CheckpointError(RunError):
+    """No checkpoint of this run can be used (missing, corrupt, or from another config)."""
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch global RNG states."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+    """Python, NumPy and torch global RNG states, as plain values and tensors."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Put back what `rng_state` returned."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = dict(state["numpy"])
+    inner = dict(numpy_state["state"])
+    inner["key"] = inner["key"].numpy().astype(np.uint32)
+    np.random.set_state({**numpy_state, "state": inner})
     torch.set_rng_state(state["torch"])
 
 
+def _encode(value: Any) -> Any:
+    """`value` with every RecordDict replaced by its protobuf bytes."""
+    if isinstance(value, RecordDict):
+        proto = recorddict_to_proto(value).SerializeToString()
+        data = torch.frombuffer(bytearray(proto), dtype=torch.uint8) if proto else torch.empty(0)
+        return {_RECORDDICT: data.to(torch.uint8)}
+    if isinstance(value, Mapping):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_RECORDDICT}:
+            proto = value[_RECORDDICT].numpy().tobytes()
+            return recorddict_from_proto(ProtoRecordDict.FromString(proto))
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically."""
+    """Write `payload` to `path` atomically, keeping the previous file as the fallback."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
-        torch.save(payload, f)
+        torch.save(_encode(payload), f)
         f.flush()
         os.fsync(f.fileno())
+    if path.exists():
+        os.replace(path, path.with_name(PREVIOUS))
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -48,12 +121,87 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by `save_checkpoint` (our own file, so full unpickling)."""
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no checkpoint at {path}; to resume, pass "
-            "hydra.run.dir=<the interrupted run's directory>"
+def _read(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """One checkpoint file, loaded without running code from it."""
+    for name in available():  # their modules mark their state classes checkpointable
+        get_strategy(name)
+    with torch.serialization.safe_globals([*_NUMPY_GLOBALS, *state_types()]):
+        payload = torch.load(path, weights_only=True)
+    if not isinstance(payload, dict) or not set(required) <= payload.keys():
+        raise ValueError(f"not a checkpoint of this framework (needs keys {list(required)})")
+    return dict(_decode(payload))
+
+
+def _reason(err: Exception) -> str:
+    """One line saying why a checkpoint file could not be read."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        # torch's message is a page long; the line that names the refused global is enough
+        detail = next((ln for ln in lines[1:] if "GLOBAL" in ln or "global" in ln), lines[-1])
+        return (
+            "refused to load (not allowlisted): "
+            + detail.removeprefix("WeightsUnpickler error: ").split(". ")[0]
         )
-    payload: dict[str, Any] = torch.load(path, weights_only=False)
-    return payload
+    return lines[0] if lines else type(err).__name__
+
+
+def load_checkpoint(path: Path, required: tuple[str, ...] = REQUIRED) -> dict[str, Any]:
+    """The newest usable checkpoint at `path`, else the previous one; CheckpointError if none.
+
+    Usable: it loads safely and is a dict with the `required` keys.
+    """
+    candidates = [p for p in (path, path.with_name(PREVIOUS)) if p.exists()]
+    if not candidates:
+        raise CheckpointError(
+            f"no checkpoint at {path}; to resume, pass "
+            "hydra.run.dir=<the interrupted run's directory> (or resume=latest)"
+        )
+    problems = []
+    for candidate in candidates:
+        try:
+            payload = _read(candidate, required)
+        except Exception as err:  # any unreadable file: fall back, never execute it
+            reason = _reason(err)
+            problems.append(f"{candidate.name}: {reason}")
+            log.warning("checkpoint %s is unusable (%s)", candidate, reason)
+            continue
+        if candidate != path:
+            log.warning("resuming from the previous checkpoint %s", candidate)
+        return payload
+    raise CheckpointError(f"no usable checkpoint in {path.parent}: " + "; ".join(problems))
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _show(values: Mapping[str, Any], key: str) -> str:
+    return repr(values[key]) if key in values else "(absent)"
+
+
+def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Refuse a resume whose config differs from the checkpoint's, except in RESUMABLE_CHANGES."""
+    old, new = _flatten(saved), _flatten(current)
+    changed = sorted(
+        (
+            key
+            for key in old.keys() | new.keys()
+            if key.split(".")[0] not in RESUMABLE_CHANGES and old.get(key) != new.get(key)
+        ),
+        key=lambda k: (not k.endswith(".name"), k),  # a changed strategy/task name first
+    )
+    if changed:
+        shown = ", ".join(f"{k}: {_show(old, k)} -> {_show(new, k)}" for k in changed[:6])
+        more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+        raise CheckpointError(
+            f"cannot resume: the config differs from the checkpoint's in {shown}{more}; "
+            "resume with the run's own settings (only rounds, time_budget_s, target_accuracy, "
+            "engine and logger may change), or start a new run in another directory"
+        )

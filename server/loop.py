@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +19,33 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fl.clock import ClientWork, VirtualClock, build_profiles
+from fl.clock import ClientWork, DeviceProfile, VirtualClock, build_profiles
 from fl.codec import Traffic, payload_traffic
 from fl.config import plain
 from fl.console import RoundReporter
+from fl.errors import RunError
 from fl.registry import get_strategy
 from fl.strategy import ClientUpdate, ServerStrategy
-from fl.task import get_task
-from fl.tracking import RunLog
+from fl.task import Task, get_task
+from fl.tracking import RunLog, clear_run, holds_run
 from privacy.central import wrap_central_dp
 from privacy.rounds import RoundPrivacy
-from server.checkpoint import load_checkpoint, restore_rng, rng_state, save_checkpoint
+from server.checkpoint import (
+    CHECKPOINT,
+    check_resumable,
+    load_checkpoint,
+    restore_rng,
+    rng_state,
+    save_checkpoint,
+)
 from server.evaluation import evaluate_global
 from server.nodes import discover_partitions
 
 __all__ = ["Progress", "make_strategy", "run_training"]
 
 log = logging.getLogger(__name__)
-CHECKPOINT = "checkpoint.pt"
+REPLY_WAIT_S = 3600.0  # real seconds a real engine waits for replies when no deadline is set
+DEADLINE_FACTOR = 2.0  # default virtual deadline: this many times the slowest expected round
 
 
 @dataclass
@@ -87,33 +96,44 @@ def make_strategy(cfg: DictConfig) -> ServerStrategy:
     return wrap_central_dp(strategy, cfg)
 
 
-def _resume(path: Path, strategy: ServerStrategy, grid: Grid) -> tuple[Progress, dict[str, Any]]:
-    """Counters and global model of the checkpoint; restores strategy, nodes and RNGs."""
-    saved = load_checkpoint(path)
+def _restore(
+    saved: dict[str, Any], strategy: ServerStrategy, grid: Grid
+) -> tuple[Progress, dict[str, Any], list[dict[str, Any]]]:
+    """Counters, global model and metrics rows of a checkpoint; restores strategy, nodes, RNGs."""
     strategy.load_state_dict(saved["strategy"])
     if hasattr(grid, "load_state_dict") and saved["nodes"] is not None:
         grid.load_state_dict(saved["nodes"])
     restore_rng(saved["rng"])
-    log.info("resumed from round %d", saved["progress"].round)
-    return saved["progress"], saved["arrays"]
+    progress = Progress(**saved["progress"])
+    log.info("resumed from round %d", progress.round)
+    return progress, saved["arrays"], list(saved["rows"])
 
 
 def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run (or resume) `cfg.rounds` rounds on `grid`; write outputs to `out_dir`."""
+    checkpoint_path = out_dir / CHECKPOINT
+    saved = load_checkpoint(checkpoint_path) if cfg.resume else None
+    if saved is not None:  # before anything is built or written
+        check_resumable(saved["config"], plain(cfg))
+    elif holds_run(out_dir):
+        if not cfg.get("overwrite"):
+            raise RunError(f"{out_dir} already holds a run; pass resume=true or overwrite=true")
+        clear_run(out_dir)
     task = get_task(cfg)
     strategy = make_strategy(cfg)
     partitions = discover_partitions(grid, cfg.num_clients)
     profiles = build_profiles(cfg.num_clients, seed=cfg.seed, **_system_options(cfg))
     clock = VirtualClock(profiles, cfg.seed)
     strategy.reachable = lambda rnd, nodes: _reachable(clock, partitions, rnd, nodes)
+    deadline_s = _deadline_s(cfg, task, profiles)
 
-    checkpoint_path = out_dir / CHECKPOINT
     progress, state = Progress(), task.new_model().state_dict()
-    if cfg.resume:
-        progress, state = _resume(checkpoint_path, strategy, grid)
+    rows: list[dict[str, Any]] = []
+    if saved is not None:
+        progress, state, rows = _restore(saved, strategy, grid)
         clock.now = progress.virtual_time_s
     arrays = ArrayRecord(state)
-    run_log = RunLog(out_dir, cfg, resume_round=progress.round)
+    run_log = RunLog(out_dir, cfg, rows)
     privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
     privacy.load_state_dict(progress.extra.get("privacy", {}))
     stop = privacy.start()
@@ -135,7 +155,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             log.warning("%s", stop)
             break
         down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
-        replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout_s))
+        wait_s = cfg.round_timeout_s or REPLY_WAIT_S
+        replies = list(grid.send_and_receive(messages, timeout=wait_s))
         replies.sort(key=lambda r: partitions.get(r.metadata.src_node_id, -1))  # engine-independent
         up = {
             r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
@@ -146,7 +167,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
         # Time and privacy read only replies the strategy accepted: the rest is untrusted.
         work = [_work(u, partitions, down, up) for u in strategy.stats.updates]
-        waited = cfg.round_timeout_s if strategy.stats.missing else 0.0
+        waited = deadline_s if strategy.stats.missing else 0.0
         round_time = clock.advance(work, strategy.client_seconds, at_least=waited)
         progress.round = server_round
         progress.virtual_time_s = clock.now
@@ -172,15 +193,19 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             save_checkpoint(
                 checkpoint_path,
                 {
-                    "progress": progress,
+                    "config": plain(cfg),
+                    "progress": asdict(progress),
+                    "rows": run_log.rows,
                     "arrays": arrays.to_torch_state_dict(),
                     "strategy": strategy.state_dict(),
                     "nodes": grid.state_dict() if hasattr(grid, "state_dict") else None,
                     "rng": rng_state(),
                 },
             )
-    torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
     privacy.finish()
+    if stop and progress.round == 0:
+        raise RunError(f"{stop}; no round was trained, so no model was written")
+    torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
     summary = run_log.finish(privacy.summary())
     reporter.close(summary, out_dir)
     return summary
@@ -190,6 +215,22 @@ def _system_options(cfg: DictConfig) -> dict[str, Any]:
     options = plain(cfg.system)
     options.pop("name", None)
     return options
+
+
+def _deadline_s(cfg: DictConfig, task: Task, profiles: list[DeviceProfile]) -> float:
+    """Virtual seconds the server waits for a round's replies.
+
+    `round_timeout_s` when set; otherwise DEADLINE_FACTOR times the round of the slowest
+    device doing the configured work on the largest partition with a dense model both
+    ways (our choice of default: the papers we follow do not fix one).
+    """
+    if cfg.round_timeout_s is not None:
+        return float(cfg.round_timeout_s)
+    largest = max(len(p) for p in task.partitions)
+    samples = cfg.local_steps * cfg.batch_size or cfg.local_epochs * largest
+    model_bytes = 4 * task.layout.numel  # float32 on the wire
+    slowest = max(p.seconds(samples, model_bytes, model_bytes) for p in profiles)
+    return DEADLINE_FACTOR * slowest
 
 
 def _reachable(

@@ -35,6 +35,7 @@ from fl.masking import Rollback
 from fl.records import Layout, array_to_numpy, numpy_to_array
 from fl.registry import register
 from fl.seeding import derive_seed
+from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
 
 VARIANTS = ("apf", "apf_sharp", "apf_plus")
@@ -66,6 +67,7 @@ class APFParams:
             raise ValueError("strategy.threshold must be > 0")
 
 
+@checkpointable
 @dataclass
 class FreezingState:
     """Per-scalar controller state (S-APF-J Algorithm 1; `refresh_freezing_status`)."""

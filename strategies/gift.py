@@ -24,6 +24,7 @@ import torch
 from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks
 from fl.registry import register
+from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
 
 
@@ -54,6 +55,7 @@ class GIFTParams:
             raise ValueError("strategy.increase_margin must be >= 0")
 
 
+@checkpointable
 @dataclass
 class FrequencyState:
     """The controller: local steps τ, the consistency EMAs and the stall detector."""

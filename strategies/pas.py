@@ -36,6 +36,7 @@ from fl.hooks import ClientHooks, Reply
 from fl.masking import Rollback
 from fl.records import Layout, array_to_numpy, numpy_to_array
 from fl.registry import register
+from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
 
 PERIODS, SHORTENED, STATE, SYNCED = "pas-periods", "pas-shortened", "pas", "pas-synced"
@@ -81,6 +82,7 @@ def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> No
     periods[where] = shorter.clamp_min(params.min_period)
 
 
+@checkpointable
 @dataclass
 class PeriodState:
     """Server-side controller: periods, bilateral EMAs, per-scalar stall detectors."""

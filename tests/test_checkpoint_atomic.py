@@ -78,8 +78,10 @@ def test_kill_9_during_atomic_saves_leaves_the_old_or_the_new_checkpoint(tmp_pat
         path = tmp_path / f"t{trials}" / "checkpoint.pt"
         path.parent.mkdir()
         last = _kill_mid_loop(path, "atomic", rng)
-        payload = load_checkpoint(path)  # must load: never corrupt
-        assert payload["i"] in (last, last + 1)  # the old one, or the new one just renamed
+        payload = load_checkpoint(path, required=("i", "values"))  # must load: never corrupt
+        # the old one, or the new one just renamed (or the previous one, when the kill landed
+        # between moving the old one aside and renaming the new one into place)
+        assert payload["i"] in (last, last + 1)
         assert _consistent(payload)
         # A temporary file left behind: the kill landed between its creation and the rename.
         interrupted += path.with_name(path.name + ".tmp").exists()
