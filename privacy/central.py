@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import (
 from omegaconf import DictConfig
 
 from fl.codec import encode_dense
+from fl.console import flower_logs_once
 from fl.strategy import ServerStrategy
 
 __all__ = ["MODES", "CentralDP", "wrap_central_dp"]
@@ -105,6 +106,7 @@ def wrap_central_dp(strategy: ServerStrategy, cfg: DictConfig) -> ServerStrategy
     options = cfg.privacy.get("server_dp")
     if options is None or options.mode == "none":
         return strategy
+    flower_logs_once()  # the wrappers log every round through Flower's logger
     sampled = int(cfg.clients_per_round)
     if options.mode == "fixed":
         wrapper: Any = DifferentialPrivacyServerSideFixedClipping(

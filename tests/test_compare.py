@@ -1,10 +1,14 @@
-"""Comparison tables of several runs: traffic relative to the reference arm."""
+"""Comparison tables of runs and sweeps: the callback every multirun ends with, the CLI."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from fl.compare import compare_runs
+from conftest import REPO, fl_env
+
+from fl.compare import compare_runs, find_runs, main
 
 
 def _fake_run(path, label: str, total_up: int, payload_up: int, frozen=None):
@@ -59,3 +63,66 @@ def test_table_reports_rounds_and_traffic_to_target(tmp_path):
     header, _, fedavg, apf = table.splitlines()[:4]
     assert "| rounds to 0.9 | MB to 0.9 |" in header
     assert "| 2 | 4.0 |" in fedavg and "| None | not reached |" in apf
+
+
+def _job(path, overrides: list[str], accuracy: float) -> None:
+    """A finished run whose summary reports `accuracy`."""
+    _fake_run(path, overrides[0], 4_000_000, 4_000_000)
+    (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    summary = json.loads((path / "summary.json").read_text())
+    summary |= {"final_accuracy": accuracy, "best_accuracy": accuracy}
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def _seed_sweep(sweep) -> None:
+    for num, (strategy, seed, accuracy) in enumerate(
+        [("fedavg", 0, 0.8), ("fedavg", 1, 0.9), ("apf", 0, 0.6), ("apf", 1, 0.7)]
+    ):
+        _job(sweep / str(num), [f"strategy={strategy}", f"seed={seed}", "rounds=2"], accuracy)
+
+
+def test_seed_sweep_adds_mean_and_std_per_arm(tmp_path):
+    _seed_sweep(tmp_path)
+    table = compare_runs(find_runs(tmp_path), tmp_path, "t")
+    lines = table.splitlines()
+    assert lines[2].startswith("| strategy=fedavg seed=0 | 0.8000 |")  # rounds=2: shared, dropped
+    assert "Mean ± std over seeds:" in lines
+    assert "| strategy=fedavg | 2 | 0.8500 ± 0.0707 |" in table
+    assert "| strategy=apf | 2 | 0.6500 ± 0.0707 |" in table
+
+
+def test_cli_help():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fl.compare", "--help"],
+        cwd=REPO,
+        env=fl_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert "usage: python -m fl.compare" in proc.stdout
+    assert "--out DIR" in proc.stdout and "--title TEXT" in proc.stdout
+    assert "sweep directory" in proc.stdout
+
+
+def test_cli_expands_a_sweep_dir_and_runs(tmp_path, capsys):
+    _seed_sweep(tmp_path / "sweep")
+    (tmp_path / "sweep" / "4").mkdir()  # a job that wrote nothing is no run
+    assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out"), "--title", "T"]) == 0
+    text = (tmp_path / "out" / "comparison.md").read_text()
+    assert text.startswith("# T\n") and text.count("| strategy=") == 6  # 4 runs, 2 arms
+    assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
+    runs = [str(tmp_path / "sweep" / "0"), str(tmp_path / "sweep" / "3")]
+    assert main([*runs, "--out", str(tmp_path / "two")]) == 0
+    assert "| strategy=apf seed=1 |" in (tmp_path / "two" / "comparison.md").read_text()
+    assert main([str(tmp_path / "sweep")]) == 0  # default --out: the one DIR given
+    assert (tmp_path / "sweep" / "comparison.md").read_text().startswith("# sweep\n")
+    capsys.readouterr()
+
+
+def test_cli_refuses_a_dir_without_runs(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no run" in err and str(tmp_path / "empty") in err

@@ -18,6 +18,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.supercore.telemetry import EventType
 from omegaconf import DictConfig
 
+from fl.console import flower_logs_once
+
 __all__ = ["backend_config", "run_flower_simulation"]
 
 
@@ -86,6 +88,7 @@ def run_flower_simulation(cfg: DictConfig, run_config: dict[str, Any]) -> None:
     from clients.app import app as client_app
     from server.app import app as server_app
 
+    flower_logs_once()  # importing flwr reset its logger to DEBUG with a second console
     run = _new_run(run_config)
     context = Context(
         run_id=run.run_id,
