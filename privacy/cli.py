@@ -1,7 +1,9 @@
-"""`python -m privacy.cli`: the DPBalance scheduling study, and a look into a ledger file.
+"""`python -m privacy.cli`: the DPBalance scheduling study, and a ledger's pipelines by hand.
 
 python -m privacy.cli simulate --out experiments/out/dpbalance
 python -m privacy.cli ledger outputs/dpbalance/ledger.sqlite
+python -m privacy.cli release outputs/dpbalance/ledger.sqlite PIPELINE   # a granted one
+python -m privacy.cli cancel outputs/dpbalance/ledger.sqlite PIPELINE    # a waiting one
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,24 +120,49 @@ def _simulate(args: argparse.Namespace) -> int:
 def _ledger(args: argparse.Namespace) -> int:
     from privacy.ledger import Ledger
 
-    with Ledger(args.path) as ledger:
-        rows = ledger.db.execute(
-            "SELECT id, analyst, status, kappa, note FROM pipelines ORDER BY arrival"
-        ).fetchall()
-        for pid, analyst, status, kappa, note in rows:
-            record = ledger.pipeline(pid)
-            assert record is not None
-            granted, spent = sum(record.granted.values()), sum(record.spent.values())
-            line = f"{pid:<24} {analyst:<12} {status:<9} κ={kappa or 0:.3f} "
-            line += f"granted Σε={granted:.4g} spent Σε={spent:.4g}"
-            print(line + (f"  ({note})" if note else ""))
+    with Ledger(args.path, create=False) as ledger:
+        for pipeline in ledger.reclaim():
+            print(f"reclaimed {pipeline}: its lease had lapsed")
+        now = time.time()
+        rows = ledger.db.execute("SELECT id FROM pipelines ORDER BY arrival, rowid").fetchall()
+        for (pid,) in rows:
+            r = ledger.pipeline(pid)
+            assert r is not None
+            line = f"{pid:<24} {r.analyst:<12} {r.status:<9} κ={r.kappa or 0:.3f} "
+            line += (
+                f"granted Σε={sum(r.granted.values()):.4g} spent Σε={sum(r.spent.values()):.4g} "
+            )
+            line += f"δ={max(r.delta_granted.values(), default=0):.3g}"
+            if r.lease_until is not None:
+                line += f"  lease {r.lease_until - now:.0f} s left ({r.holder})"
+            print(line + (f"  ({r.note})" if r.note else ""))
         blocks = ledger.blocks()
         total = sum(b for b, _ in blocks.values())
         used = sum(a for _, a in blocks.values())
-        print(f"{len(blocks)} blocks, budget Σε={total:.4g}, allocated Σε={used:.4g}")
+        delta = max((a for _, a in ledger.delta_blocks().values()), default=0.0)
+        print(
+            f"{len(blocks)} blocks, budget Σε={total:.4g}, allocated Σε={used:.4g}, "
+            f"largest δ allocated {delta:.3g}"
+        )
         problems = ledger.check()
     print("consistent" if not problems else "INCONSISTENT:\n  " + "\n  ".join(problems))
     return 1 if problems else 0
+
+
+def _end(args: argparse.Namespace) -> int:
+    from privacy.ledger import Ledger
+
+    status = {"release": "released", "cancel": "cancelled"}[args.command]
+    with Ledger(args.path, create=False) as ledger:
+        before = ledger.pipeline(args.pipeline)
+        ledger.set_status(args.pipeline, status, args.note or f"{status} by hand")
+    assert before is not None
+    back = {b: e - before.spent[b] for b, e in before.granted.items() if e > before.spent[b]}
+    line = f"{status} pipeline {args.pipeline!r}"
+    print(
+        line + (f": ε {sum(back.values()):.4g} went back to {len(back)} block(s)" if back else "")
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     led = sub.add_parser("ledger", help="pipelines, grants and an invariant check of a ledger")
     led.add_argument("path")
     led.set_defaults(func=_ledger)
+    for name, what in (("release", "a granted pipeline's"), ("cancel", "a waiting pipeline's")):
+        end = sub.add_parser(name, help=f"end {what} claim; its unspent budget goes back")
+        end.add_argument("path")
+        end.add_argument("pipeline")
+        end.add_argument("--note", help="why (kept in the ledger)")
+        end.set_defaults(func=_end)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    from privacy.ledger import LedgerError
+
+    try:
+        return int(args.func(args))
+    except LedgerError as err:
+        print(f"privacy.cli: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

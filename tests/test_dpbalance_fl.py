@@ -58,26 +58,34 @@ def test_a_pipeline_spends_its_grant_round_by_round(runs, tmp_path):
     assert summary["ledger"]["granted_epsilon"] == pytest.approx(2.5)  # κ = 1.25 x demand 2.0
     final = {int(p): e for p, e in summary["epsilon_per_client"].items()}
     assert 0 < max(final.values()) <= 2.5  # σ was sized from the grant
+    pipeline = summary["ledger"]["pipeline"]
+    assert pipeline.startswith("jobA-") and len(pipeline) == len("jobA-") + 12  # a fresh id
     with Ledger(ledger_path) as ledger:
         assert ledger.check() == []
-        record = ledger.pipeline("jobA")
+        record = ledger.pipeline(pipeline)
         assert record.status == "finished" and record.kappa == pytest.approx(1.25)
+        assert record.lease_until is None  # finished: the lease ended with the run
         for p in range(4):  # charges, summed, are exactly each client's Opacus ε
             assert record.spent[f"digits/client-{p}"] == pytest.approx(final.get(p, 0.0), rel=1e-9)
+            # δ composes by addition: each client that took part spent the run's δ once
+            assert record.delta_spent[f"digits/client-{p}"] == (1e-5 if p in final else 0.0)
         rounds = ledger.db.execute(
-            "SELECT round, COUNT(*) FROM charges WHERE pipeline = 'jobA' GROUP BY round"
+            "SELECT round, COUNT(*) FROM charges WHERE pipeline = ? GROUP BY round", (pipeline,)
         ).fetchall()
         assert rounds == [(r, 2) for r in range(1, 7)]  # the 2 selected clients, every round
         # finished: what it did not spend went back to the blocks
         assert ledger.blocks()["digits/client-0"][1] == pytest.approx(final.get(0, 0.0))
+        assert ledger.delta_blocks()["digits/client-0"] == (1e-4, 1e-5 if 0 in final else 0.0)
 
     # the same pipeline id again (not a resume) would restart its clients' accountants
-    cfg = compose([*RUN, f"privacy.ledger.path={ledger_path}", "privacy.ledger.pipeline=jobA"])
+    cfg = compose(
+        [*RUN, f"privacy.ledger.path={ledger_path}", f"privacy.ledger.pipeline={pipeline}"]
+    )
     again = RoundPrivacy(cfg, get_task(cfg), tmp_path / "again")
-    assert "already exists in the ledger (finished)" in again.start()
+    assert f"already exists in ledger {ledger_path} (finished)" in again.start()
     assert again.grant == {} and again.train_config() == {}
     with Ledger(ledger_path) as ledger:
-        assert ledger.check() == [] and ledger.pipeline("jobA").status == "finished"
+        assert ledger.check() == [] and ledger.pipeline(pipeline).status == "finished"
 
 
 def test_a_pipeline_that_would_overspend_stops_and_keeps_its_model(runs):
@@ -93,10 +101,36 @@ def test_a_pipeline_that_would_overspend_stops_and_keeps_its_model(runs):
     assert [r["round"] for r in read_metrics(run_dir)] == [1, 2, 3]
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     model = torch.load(run_dir / "model.pt")
-    assert saved["progress"].round == 3
+    assert saved["progress"]["round"] == 3
     assert all(torch.equal(model[k], saved["arrays"][k]) for k in model)
     with Ledger(ledger_path) as ledger:
         assert ledger.check() == []
-        record = ledger.pipeline("greedy")
+        record = ledger.pipeline(summary["ledger"]["pipeline"])
         assert record.status == "stopped" and "stopped before round 4" in record.note
         assert max(record.spent.values()) <= 2.5
+
+
+def test_fl_run_refuses_to_grant_on_a_tampered_ledger(tmp_path):
+    ledger_path = tmp_path / "ledger.sqlite"
+    with Ledger(ledger_path) as ledger:
+        ledger.add_blocks({"digits/client-0": 5.0})
+        ledger.db.execute("UPDATE blocks SET allocated = 1.0")  # past the triggers, by hand
+    proc = subprocess.run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path / 'run'}", *RUN, f"privacy.ledger.path={ledger_path}"),
+        cwd=REPO,
+        env=fl_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"fl-run: privacy budget: ledger {ledger_path} is inconsistent "
+        "(block digits/client-0: allocated 1.0 != sum of grants 0): refusing to grant"
+    )
+    assert "Traceback" not in proc.stderr
+    # refused before round 1: no untrained model, nothing that looks like a run
+    assert not (tmp_path / "run" / "model.pt").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    with Ledger(ledger_path) as ledger:
+        assert ledger.db.execute("SELECT COUNT(*) FROM pipelines").fetchone()[0] == 0

@@ -213,3 +213,19 @@ def test_schedule_reads_and_writes_under_one_lock(tmp_path):
         assert ledger.pipeline("P3").kappa == pytest.approx(1.25, rel=1e-6)
         assert [p.id for p in ledger.problem(0.0).pipelines] == ["P2", "P4"]
         assert ledger.check() == []
+
+
+def test_a_file_that_is_not_a_ledger_of_this_version_is_refused(tmp_path):
+    old = tmp_path / "old.sqlite"
+    with sqlite3.connect(old) as db:  # a ledger from before leases and δ: no migration
+        db.executescript("CREATE TABLE blocks (id TEXT PRIMARY KEY); PRAGMA user_version = 0;")
+    with pytest.raises(
+        LedgerError, match=r"old.sqlite is not a ledger of schema version 2 \(it has 0\)"
+    ):
+        Ledger(old)
+    (tmp_path / "empty.sqlite").touch()
+    with pytest.raises(LedgerError, match=r"empty.sqlite is not a ledger \(no tables\)"):
+        Ledger(tmp_path / "empty.sqlite", create=False)
+    with pytest.raises(LedgerError, match="no ledger at"):
+        Ledger(tmp_path / "missing.sqlite", create=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.sqlite", "old.sqlite"]
