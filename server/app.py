@@ -1,4 +1,4 @@
-"""The Flower ServerApp: reads the run's config and drives the round loop.
+"""The Flower ServerApp: reads the run's config, waits for its nodes, drives the round loop.
 
 Loaded by module path (`server.app:app`) in a deployment, called directly by the
 local engine, and run in a thread by Flower's simulation.
@@ -14,6 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from fl.config import from_run_config, validate
 from fl.seeding import pin_torch_threads
 from server.loop import run_training
+from server.nodes import node_wait_s, wait_for_nodes
 
 __all__ = ["app"]
 
@@ -22,9 +23,14 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Train for the configured rounds; outputs go to `output_dir` (or outputs/run-ID)."""
+    """Train for the configured rounds; outputs go to `output_dir` (or outputs/run-ID).
+
+    Raises (so Flower marks the run `finished:failed`) before any data is loaded or
+    output written when fewer than `num_clients` nodes connect (server/nodes.py).
+    """
     cfg = from_run_config(context.run_config)
     validate(cfg)
     pin_torch_threads(cfg.torch_threads)
+    wait_for_nodes(grid, cfg.num_clients, node_wait_s(cfg))
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
     run_training(grid, cfg, out_dir)

@@ -9,9 +9,13 @@ import time
 
 import pytest
 from conftest import read_metrics
-from test_deployment import _submit, running_federation
+from federation import running_federation, submit
 
 NODES = 3
+# A round without the dead node's reply ends at this deadline. It must also exceed a
+# round in which all three nodes reply: each reply costs a fresh `flwr-clientapp`
+# process importing torch, three at once on two busy cores (20 s was too short).
+DEADLINE_S = 45
 
 
 @pytest.fixture
@@ -36,22 +40,22 @@ def test_killed_supernode_does_not_stop_the_run(federation, tmp_path):
 
     killer = threading.Thread(target=kill_after_first_round, daemon=True)
     killer.start()
-    proc = _submit(
+    proc = submit(
         federation,
         run_dir,
         f"num_clients={NODES}",
         f"clients_per_round={NODES}",
-        "rounds=3",
+        "rounds=2",
         "local_epochs=1",
-        "round_timeout_s=20",
+        f"round_timeout_s={DEADLINE_S}",
     )
     killer.join(timeout=1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + federation.logs()
     assert victim.poll() is not None, "the SuperNode was never killed"
     rows = read_metrics(run_dir)
-    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["round"] for r in rows] == [1, 2]
     assert rows[0]["replies"] == NODES and rows[0]["missing"] == 0
-    for row in rows[1:]:  # the dead node's work never arrives; the others' does
-        assert row["replies"] == NODES - 1 and row["missing"] == 1
-        assert row["round_time_s"] >= 20  # the server waited out the deadline
-    assert rows[-1]["accuracy"] > 0.3
+    # the dead node's work never arrives; the others' does
+    assert rows[1]["replies"] == NODES - 1 and rows[1]["missing"] == 1
+    assert rows[1]["round_time_s"] >= DEADLINE_S  # the server waited out the deadline
+    assert rows[1]["accuracy"] > 0.3

@@ -23,17 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, fl_env, read_metrics, run_fl
-from test_deployment import (
-    BIN,
-    RUN,
-    Federation,
-    _free_ports,
-    _start,
-    _stop,
-    _submit,
-    _wait_listening,
-)
+from conftest import REPO, fl_env, read_metrics
+from federation import TWO_ROUNDS, Federation, local_rows, submit
 
 from fl import task
 
@@ -109,44 +100,14 @@ def _remove_group(group: EdgeGroup) -> None:
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Federation, EdgeGroup]]:
     group = _make_group()
-    root = tmp_path_factory.mktemp("edge")
-    link_port, *node_ports = _free_ports(3)
-    fed = Federation(link_port, root)
+    fed = Federation(tmp_path_factory.mktemp("edge"))
     try:
-        (root / "superlink").mkdir()
-        link = _start(
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(link_port),
-            ],
-            root / "superlink.log",
-            root / "superlink",
-        )
-        fed.procs.append(link)
-        _wait_listening(link_port, link)
-        for pid, node_port in enumerate(node_ports):
-            home = root / f"supernode{pid}"
-            home.mkdir()
-            cmd = [
-                str(BIN / "flower-supernode"),
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{link_port}",
-                "--port",
-                str(node_port),
-                "--node-config",
-                f"partition-id={pid} num-partitions=2",
-            ]
-            if pid == 0:
-                cmd = group.wrap(cmd)
-            fed.procs.append(_start(cmd, root / f"supernode{pid}.log", home))
+        fed.start_superlink("--insecure")
+        fed.start_supernode(0, 2, "--insecure", wrap=group.wrap)  # the edge device
+        fed.start_supernode(1, 2, "--insecure")
         yield fed, group
     finally:
-        _stop(fed.procs)
+        fed.stop()
         _remove_group(group)
 
 
@@ -157,7 +118,7 @@ def test_a_supernode_at_half_a_core_and_1_5_gib_completes_rounds(edge, tmp_path)
     watcher = threading.Thread(target=group.watch, args=(stop,), daemon=True)
     watcher.start()
     try:
-        proc = _submit(fed, tmp_path / "dep", *RUN)
+        proc = submit(fed, tmp_path / "dep", *TWO_ROUNDS)
     finally:
         stop.set()
         watcher.join()
@@ -181,8 +142,7 @@ def test_a_supernode_at_half_a_core_and_1_5_gib_completes_rounds(edge, tmp_path)
     )
 
     # Constrained, not changed: the same numbers as the local engine.
-    run_fl(tmp_path / "local", *RUN, "engine=local")
-    local = read_metrics(tmp_path / "local")
+    local = local_rows(*TWO_ROUNDS)
     for key in ("accuracy", "loss", "bytes_up", "bytes_down"):
         assert [r[key] for r in rows] == [r[key] for r in local], key
 

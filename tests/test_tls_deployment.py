@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import OFFLINE, fl_env, read_metrics, run_fl
+from conftest import OFFLINE, fl_env, read_metrics
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+from federation import BIN, TWO_ROUNDS, Federation, local_rows, submit
 from flwr.cli.supernode.register import try_load_public_key
-from test_deployment import BIN, RUN, _free_ports, _start, _stop, _submit, _wait_listening
 
 from fl.tls import main, write_bundle
 
@@ -106,20 +106,15 @@ def test_the_command_line_writes_the_bundle(tmp_path, capsys):
 
 
 @dataclass
-class SecureFederation:
+class SecureFederation(Federation):
     """A TLS + node-auth SuperLink, its registered SuperNodes, and refused intruders."""
 
-    port: int
-    root: Path
-    certs: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     intruders: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     registered: list[int] = field(default_factory=list)
 
-    def logs(self) -> str:
-        return "".join(
-            f"\n--- {p.name} ---\n{p.read_text()[-2000:]}" for p in sorted(self.root.glob("*.log"))
-        )
+    @property
+    def certs(self) -> Path:
+        return self.root / "certs"
 
     def flwr(self, *args: str, ca: bool = True) -> subprocess.CompletedProcess[str]:
         """The `flwr` CLI against this SuperLink (with or without trusting its CA)."""
@@ -139,88 +134,48 @@ class SecureFederation:
         )
 
 
-def _supernode(fed: SecureFederation, port: int, partition: int, *flags: str) -> list[str]:
-    return [
-        str(BIN / "flower-supernode"),
-        "--superlink",
-        f"127.0.0.1:{fed.port}",
-        "--port",
-        str(port),
-        *flags,
-        "--node-config",
-        f"partition-id={partition} num-partitions=2",
-    ]
-
-
 def _json(proc: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFederation]:
-    root = tmp_path_factory.mktemp("secure")
-    bundle = write_bundle(root / "certs", nodes=3)  # node-2 is never registered
-    link_port, *node_ports = _free_ports(6)
-    fed = SecureFederation(link_port, root, root / "certs")
+    fed = SecureFederation(tmp_path_factory.mktemp("secure"))
+    bundle = write_bundle(fed.certs, nodes=3)  # node-2 is never registered
+    trust = ["--root-certificates", str(bundle.ca_cert)]
     try:
-        home = root / "superlink"
-        home.mkdir()
-        link = _start(
-            [
-                str(BIN / "flower-superlink"),
-                "--ssl-certfile",
-                str(bundle.server_cert),
-                "--ssl-keyfile",
-                str(bundle.server_key),
-                "--ssl-ca-certfile",
-                str(bundle.ca_cert),
-                "--enable-supernode-auth",
-                "--database",
-                str(root / "state.db"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(link_port),
-            ],
-            root / "superlink.log",
-            home,
+        fed.start_superlink(
+            *["--ssl-certfile", str(bundle.server_cert), "--ssl-keyfile", str(bundle.server_key)],
+            *["--ssl-ca-certfile", str(bundle.ca_cert), "--enable-supernode-auth"],
         )
-        fed.procs.append(link)
-        _wait_listening(link_port, link)
         for i in (0, 1):
-            public = str(fed.certs / f"node-{i}.pub")
-            done = fed.flwr("supernode", "register", public, "--format", "json")
+            done = fed.flwr(
+                "supernode", "register", f"{bundle.node_keys[i]}.pub", "--format", "json"
+            )
             assert done.returncode == 0, done.stdout + done.stderr
             fed.registered.append(int(_json(done)["node-id"]))
         for i in (0, 1):
-            name = f"supernode{i}"
-            (root / name).mkdir()
-            key = ["--auth-supernode-private-key", str(fed.certs / f"node-{i}")]
-            trust = ["--root-certificates", str(bundle.ca_cert)]
-            cmd = _supernode(fed, node_ports[i], i, *trust, *key)
-            fed.procs.append(_start(cmd, root / f"{name}.log", root / name))
-        for (name, (flags, _)), port in zip(INTRUDERS.items(), node_ports[2:], strict=True):
-            (root / name).mkdir()
+            fed.start_supernode(
+                i, 2, *trust, "--auth-supernode-private-key", str(bundle.node_keys[i])
+            )
+        for name, (flags, _) in INTRUDERS.items():
             resolved = [str(fed.certs / f) if f.startswith("node-") else f for f in flags]
-            trust = [] if name == "no-ca" else ["--root-certificates", str(bundle.ca_cert)]
-            cmd = _supernode(fed, port, 0, *trust, *resolved)
-            fed.intruders[name] = _start(cmd, root / f"{name}.log", root / name)
-        fed.procs.extend(fed.intruders.values())
+            trusting = [] if name == "no-ca" else trust
+            fed.intruders[name] = fed.start_supernode(0, 2, *trusting, *resolved, name=name)
         yield fed
     finally:
-        _stop(fed.procs)
+        fed.stop()
 
 
 @pytest.mark.integration
 def test_registered_tls_nodes_complete_rounds_like_the_local_engine(secure, tmp_path):
     tls = ["engine.insecure=false", f"engine.root_certificates={secure.certs / 'ca.pem'}"]
-    proc = _submit(secure, tmp_path / "dep", *RUN, *tls)
+    proc = submit(secure, tmp_path / "dep", *TWO_ROUNDS, *tls)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + secure.logs()
     rows = read_metrics(tmp_path / "dep")
     assert [r["round"] for r in rows] == [1, 2]
     assert all(r["replies"] == 2 and r["failed"] == 0 and r["rejected"] == 0 for r in rows)
-    run_fl(tmp_path / "local", *RUN, "engine=local")
-    local = read_metrics(tmp_path / "local")
+    local = local_rows(*TWO_ROUNDS)
     for key in ("accuracy", "loss", "bytes_up", "bytes_down"):
         assert [r[key] for r in rows] == [r[key] for r in local], key
 
