@@ -1,15 +1,16 @@
 """Payload codecs with honest byte accounting, shared by every strategy.
 
 An encoded payload is a pair of records in a message: `arrays` (an ArrayRecord) and
-`codec` (a ConfigRecord naming the codec and the logical bytes it puts on the link).
-Logical bytes are what the algorithm says must cross the link (4 B per float32
-scalar sent, plus any control state such as a shipped mask), so bytes are counted the
-same way for every strategy whatever the engine actually moves.
+`codec` (a ConfigRecord naming the codec and the bytes it puts on the link). Traffic
+is counted by the receiver from the arrays that arrived (`payload_traffic`): the bytes
+of the values each array really holds (4 B per float32 scalar, 8 B per int64), never a
+size a sender declares. The `arrays` record is payload; any other array record (masks,
+periods, indices) and a masked payload's shipped bitmap are control state. Framing
+(.npy headers, protobuf) is not counted, so every engine reports the same figures.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -50,7 +51,7 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True)
 class Traffic:
-    """Logical bytes of one payload: model values, and control state (masks, indices)."""
+    """Bytes of one payload: model values, and control state (masks, indices)."""
 
     payload: int
     control: int = 0
@@ -69,8 +70,9 @@ def _codec_record(name: str, traffic: Traffic) -> ConfigRecord:
 
 def encode_dense(vector: torch.Tensor, layout: Layout) -> dict[str, ArrayRecord | ConfigRecord]:
     """Every scalar as a named tensor: Flower's usual ArrayRecord."""
-    traffic = Traffic(4 * layout.numel)
-    return {ARRAYS: vector_to_arrays(vector, layout), CODEC: _codec_record("dense", traffic)}
+    arrays = vector_to_arrays(vector, layout)
+    traffic = Traffic(sum(_held(a) for a in arrays.values()))
+    return {ARRAYS: arrays, CODEC: _codec_record("dense", traffic)}
 
 
 def encode_masked(
@@ -176,10 +178,10 @@ def content_bytes(content: RecordDict) -> int:
 
 
 def declared_traffic(content: RecordDict) -> Traffic:
-    """The logical bytes the `codec` record declares; CodecError unless they are plausible.
+    """The bytes the `codec` record declares; CodecError unless they are plausible.
 
-    Plausible: non-negative integers whose sum does not exceed what the content holds
-    (logical bytes never exceed the bytes actually carried).
+    Plausible: non-negative integers whose sum does not exceed what the content holds.
+    A check of a reply's consistency only: traffic is measured (`payload_traffic`).
     """
     record = content.config_records.get(CODEC)
     if record is None:
@@ -194,27 +196,32 @@ def declared_traffic(content: RecordDict) -> Traffic:
     return traffic
 
 
-def _measured(arrays: ArrayRecord) -> int:
-    """Bytes of the values in `arrays` (metadata when sane, else the raw data length)."""
-    total = 0
-    for a in arrays.values():
-        try:
-            total += max(0, math.prod(a.shape)) * np.dtype(a.dtype).itemsize
-        except (TypeError, ValueError):
-            total += len(a.data)
-    return total
+def _held(array: Array) -> int:
+    """Bytes of values one Array really holds: its buffer less a .npy header that fits it.
+
+    A buffer that is not the well-formed payload it declares counts whole: bytes received,
+    however large the shape it claims.
+    """
+    try:
+        return int(array_to_numpy(array).nbytes)
+    except (ValueError, TypeError):
+        return len(array.data)
 
 
 def payload_traffic(content: RecordDict) -> Traffic:
-    """Logical bytes a message's payload puts on the link (0 when it carries no arrays).
+    """Bytes a message's arrays put on the link, measured from what it holds.
 
-    Never raises, whatever a client sent: a missing or implausible codec record counts
-    the arrays' own bytes instead (validation rejects such replies separately).
+    Never raises, whatever a client sent, and never trusts a declared size: rejected
+    replies count too, at most the bytes that arrived. Payload is the `arrays` record;
+    the rest (other array records, a masked payload's shipped `mask`) is control state.
     """
-    if CODEC in content.config_records:
-        try:
-            return declared_traffic(content)
-        except CodecError:
-            pass
-    arrays = content.array_records.get(ARRAYS)
-    return Traffic(_measured(arrays) if arrays is not None else 0)
+    record = content.config_records.get(CODEC)
+    masked = record is not None and record.get("name") == "masked"
+    payload = control = 0
+    for key, arrays in content.array_records.items():
+        for name, array in arrays.items():
+            if key == ARRAYS and not (masked and name == "mask"):
+                payload += _held(array)
+            else:
+                control += _held(array)
+    return Traffic(payload, control)

@@ -219,6 +219,43 @@ def _validate_faults_and_system(cfg: DictConfig) -> None:
     _number(cfg, "system.availability", 0, 1, strict=True)
 
 
+def _validate_robustness(cfg: DictConfig) -> None:
+    """Aggregation rule, norm policy, example cap and injected attacks (fl/robust.py,
+    fl/attacks.py); a rule that cannot tolerate its num_malicious with clients_per_round
+    replies is refused here, not in round 1."""
+    from fl.attacks import ATTACKS, attack_kinds
+    from fl.robust import AGGREGATIONS, NORM_POLICIES, min_replies
+
+    _one_of(cfg, "aggregation.name", AGGREGATIONS)
+    _one_of(cfg, "update_norm_policy", NORM_POLICIES)
+    if cfg.get("max_examples_per_client") is not None:
+        _integer(cfg, "max_examples_per_client", 1)
+    name = cfg.aggregation.name
+    if name == "trimmed_mean":
+        _number(cfg, "aggregation.trim_beta", 0, 0.5)
+        beta = cfg.aggregation.trim_beta
+        _require(beta < 0.5, "aggregation.trim_beta", beta, "must be < 0.5")
+    if name in ("krum", "multikrum", "bulyan"):
+        _integer(cfg, "aggregation.num_malicious", 0)
+        need = min_replies(name, cfg.aggregation.num_malicious)
+        _require(
+            cfg.clients_per_round >= need,
+            "clients_per_round",
+            cfg.clients_per_round,
+            f"aggregation={name} with num_malicious={cfg.aggregation.num_malicious} needs "
+            f">= {need} replies per round ({'4f+3' if name == 'bulyan' else '2f+3'})",
+        )
+    if name == "multikrum" and OmegaConf.select(cfg, "aggregation.num_selected") is not None:
+        _integer(cfg, "aggregation.num_selected", 1, cfg.clients_per_round)
+    kinds = attack_kinds(OmegaConf.select(cfg, "faults.attack"))
+    bad = [k for k in kinds if k not in ATTACKS]
+    _require(not bad, "faults.attack", cfg.faults.get("attack"), f"kinds are {list(ATTACKS)}")
+    if kinds:
+        _number(cfg, "faults.attack_rate", 0, 1)
+        _number(cfg, "faults.attack_scale", 0)
+        _integer(cfg, "faults.attack_examples", 1)
+
+
 def _validate_task(cfg: DictConfig) -> None:
     """Dataset, model, its hidden widths and the partition scheme with its parameters."""
     _one_of(cfg, "task.dataset", DATASETS)
@@ -273,6 +310,14 @@ def _validate_privacy(cfg: DictConfig) -> None:
             _number(cfg, "privacy.ledger.block_budget", 0, strict=True)
             _number(cfg, "privacy.ledger.beta", 0)
             _number(cfg, "privacy.ledger.kappa_max", 1, null=True)
+            _number(cfg, "privacy.ledger.lease_s", 0, strict=True)
+            _number(cfg, "privacy.ledger.block_delta", 0, 1, strict=True)
+            _require(
+                cfg.privacy.delta <= cfg.privacy.ledger.block_delta,
+                "privacy.delta",
+                cfg.privacy.delta,
+                "must not exceed privacy.ledger.block_delta (the δ budget of a client's block)",
+            )
         layer = _dp_incompatible_layer(cfg)
         _require(layer is None, "task.model", cfg.task.model, f"Opacus cannot train {layer}")
     if name in ("dpsgd", "central"):
@@ -346,6 +391,35 @@ def _validate_strategy(cfg: DictConfig) -> None:
         raise ConfigError(f"invalid config: strategy: {err}") from err
 
 
+def _validate_privacy_with_strategy(cfg: DictConfig) -> None:
+    """Privacy modes that a strategy (its server half declares so) or an aggregation cannot use.
+
+    Central DP's noise must reach every client's model and assumes each client moves the
+    mean by at most C/n; DP-SGD's plan and accountant follow the run's step count.
+    """
+    from fl.registry import get_strategy
+
+    name, privacy = cfg.strategy.name, cfg.privacy.name
+    server = get_strategy(str(name)).server
+    central = OmegaConf.select(cfg, "privacy.server_dp.mode", default="none") != "none"
+    pair = f"invalid config: privacy={privacy} with strategy={name}"
+    if central and not getattr(server, "central_dp_safe", True):
+        raise ConfigError(
+            f"{pair}: its clients keep model copies that central DP's noise would not reach"
+        )
+    if privacy == "dpsgd" and not getattr(server, "dpsgd_safe", True):
+        raise ConfigError(
+            f"{pair}: it sets local steps per round, which DP-SGD's plan and accountant ignore"
+        )
+    aggregation = OmegaConf.select(cfg, "aggregation.name", default="mean")
+    _require(
+        not central or aggregation == "mean",
+        "aggregation",
+        aggregation,
+        f"privacy={privacy} (central DP) needs aggregation=mean: its noise assumes the mean",
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every option before the run starts; raise ConfigError naming the bad key.
 
@@ -356,16 +430,20 @@ def validate(cfg: DictConfig) -> None:
     _validate_run(cfg)
     _one_of(cfg, "device", DEVICES)
     _validate_faults_and_system(cfg)
+    _validate_robustness(cfg)
     _validate_task(cfg)
     _one_of(cfg, "engine.name", ENGINES)
     if cfg.engine.name == "local":
         _integer(cfg, "engine.workers", 1)
+    if cfg.engine.name == "deployment":
+        _number(cfg, "engine.node_wait_s", 0)
     if cfg.engine.name == "flower-sim":
         _number(cfg, "engine.num_cpus_per_client", 0)
         _number(cfg, "engine.num_gpus_per_client", 0)
     _one_of(cfg, "logger.name", LOGGERS)
     _validate_privacy(cfg)
     _validate_strategy(cfg)
+    _validate_privacy_with_strategy(cfg)
 
 
 def preflight(cfg: DictConfig) -> None:

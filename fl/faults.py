@@ -6,6 +6,11 @@ dropout sends nothing; a hang replies after the round's deadline. On the local e
 time is virtual, so a hang costs no real time: the reply is simply missing from the
 round, and the clock charges the deadline the server waited for. On real engines a hang
 really stalls the ClientApp for `faults.hang_s` seconds.
+
+Clients that lie rather than fail (inflated example counts, reversed or noisy updates,
+misreported samples, ε or sizes) are `fl.attacks.attack_mod`, configured by the same
+`faults` group (`faults.attack`, `faults.attack_rate`); `fault_mod` runs it inside itself,
+so a client that crashes or drops out never gets to attack.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
+from fl.attacks import attack_mod
 from fl.config import from_run_config
 from fl.seeding import derive_seed
 
@@ -44,7 +50,7 @@ def draw_fault(seed: int, server_round: int, partition: int, rates: dict[str, fl
 
 
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower mod: inject the configured faults into train messages."""
+    """Flower mod: inject the configured faults (then attacks) into train messages."""
     cfg = from_run_config(context.run_config)
     faults = cfg.get("faults")
     if not faults or msg.metadata.message_type != "train":
@@ -58,4 +64,4 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         raise NoReply(kind)
     if kind == "hang":
         time.sleep(float(faults.hang_s))
-    return call_next(msg, context)
+    return attack_mod(msg, context, call_next)

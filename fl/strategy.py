@@ -5,6 +5,12 @@ nodes the run says are reachable, one message per node (a strategy may give each
 node its own config and payload), replies decoded through `fl.codec` and validated
 before they can touch the global model, and `state_dict()` for resume. Subclasses
 override the small methods below, never the round loop.
+
+Nothing a client reports is trusted: its claimed example count is clipped to the bound
+the server knows (`bound_examples`, set by the round loop from the partition sizes), an
+update beyond `max_update_norm` is rejected or clipped (`update_norm_policy`), and the
+aggregation rule is pluggable (`fl.robust.Aggregator`: mean, median, trimmed mean, Krum,
+Multi-Krum, Bulyan), so one client cannot decide the global model.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from fl.clock import ClientWork, DeviceProfile, sequential_seconds
 from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
 from fl.records import Layout, vector_to_arrays, wire_dtype
+from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 
 __all__ = ["ClientUpdate", "RoundStats", "ServerStrategy"]
 
@@ -54,6 +61,9 @@ class RoundStats:
     missing: list[int] = field(default_factory=list)  # node ids that never replied
     updates: list[ClientUpdate] = field(default_factory=list)  # the accepted replies
     reasons: list[str] = field(default_factory=list)
+    examples_clipped: int = 0  # accepted replies whose num-examples claim was cut to the bound
+    norm_clipped: int = 0  # accepted replies scaled down to max_update_norm (policy clip)
+    skipped: bool = False  # too few replies for the aggregation rule: global model kept
 
 
 class ServerStrategy(FedAvg):
@@ -61,6 +71,11 @@ class ServerStrategy(FedAvg):
 
     # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
     state_attributes: ClassVar[tuple[str, ...]] = ()
+    # Privacy wrappers check these (fl/config.py refuses the combination before round 1):
+    # central DP's noise must reach every client's copy of the model; DP-SGD's accountant
+    # assumes the run's own step count every round.
+    central_dp_safe: ClassVar[bool] = True
+    dpsgd_safe: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -70,17 +85,31 @@ class ServerStrategy(FedAvg):
         clients_per_round: int,
         max_update_norm: float = math.inf,
         max_payload_bytes: float | None = None,
+        aggregator: Aggregator | None = None,
+        update_norm_policy: str = "reject",
     ) -> None:
         super().__init__(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+        if update_norm_policy not in NORM_POLICIES:
+            raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}")
         self.params = params
         self.seed = seed
         self.clients_per_round = clients_per_round
         self.max_update_norm = max_update_norm
+        self.update_norm_policy = update_norm_policy
         self.max_payload_bytes = max_payload_bytes  # None: PAYLOAD_FACTOR x the dense model
+        self.aggregator = aggregator or Aggregator()
+        # None: claims are taken as sent (a strategy built outside the round loop)
+        self.example_bounds: ExampleBounds | None = None
         self.layout: Layout | None = None
         self.global_vector = torch.empty(0)
         self.stats = RoundStats()
         self.reachable: Callable[[int, list[int]], list[int]] = lambda rnd, nodes: nodes
+
+    def bound_examples(self, bounds: ExampleBounds) -> None:
+        """Bound each node's claimed `num-examples` by what the server knows (the round loop
+        calls this once the node -> partition map is known; a method, so that it reaches
+        the strategy inside a wrapper such as central DP)."""
+        self.example_bounds = bounds
 
     # ----- selection and instructions -------------------------------------------------
     def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
@@ -161,6 +190,7 @@ class ServerStrategy(FedAvg):
             raise ValueError(
                 f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}"
             )
+        node = reply.metadata.src_node_id
         loss = metrics.get("train-loss", 0.0)
         if not isinstance(loss, int | float):
             raise ValueError(f"'train-loss' must be a number, got {loss!r}")
@@ -170,12 +200,28 @@ class ServerStrategy(FedAvg):
         vector = self.decode_reply(reply)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("update has NaN or Inf values")
-        norm = float(torch.linalg.vector_norm(vector - self.global_vector))
+        delta = vector - self.global_vector
+        norm = float(torch.linalg.vector_norm(delta))
         if norm > self.max_update_norm:
-            raise ValueError(
-                f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}"
+            if self.update_norm_policy == "reject":
+                raise ValueError(
+                    f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}"
+                )
+            log.warning("node %d: update norm %.3g clipped to %g", node, norm, self.max_update_norm)
+            self.stats.norm_clipped += 1
+            vector = self.global_vector + delta * (self.max_update_norm / norm)
+        bound = self.example_bounds.limit(node) if self.example_bounds else None
+        if bound is not None and num_examples > bound:  # clipped, not rejected: see docs
+            log.warning(
+                "node %d claims %d examples, more than the %d it can hold: weighted as %d",
+                node,
+                num_examples,
+                bound,
+                bound,
             )
-        return ClientUpdate(reply.metadata.src_node_id, vector, num_examples, metrics)
+            self.stats.examples_clipped += 1
+            num_examples = bound
+        return ClientUpdate(node, vector, num_examples, metrics)
 
     def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:
         """Replies that decode and validate; the rest are logged and counted, never used."""
@@ -193,16 +239,38 @@ class ServerStrategy(FedAvg):
                 self.stats.rejected += 1
                 self.stats.reasons.append(f"node {node}: {err}")
                 log.warning("rejected reply of node %d: %s", node, err)
+        self._normalise_unbounded(updates)
         self.stats.accepted = len(updates)
         self.stats.updates = updates
         self.stats.missing = [node for node in self.stats.sent if node not in replied]
         return updates
 
+    def _normalise_unbounded(self, updates: list[ClientUpdate]) -> None:
+        """With bounds in force, a node the server knows no bound for weighs at most the
+        round's median claim."""
+        if self.example_bounds is None:
+            return
+        loose = [u for u in updates if self.example_bounds.limit(u.node_id) is None]
+        if not loose:
+            return
+        typical = median_claim([u.num_examples for u in updates])
+        for update in loose:
+            if update.num_examples > typical:
+                log.warning(
+                    "node %d has no known example bound; its claim of %d is cut to the "
+                    "round's median %d",
+                    update.node_id,
+                    update.num_examples,
+                    typical,
+                )
+                update.num_examples = typical
+                self.stats.examples_clipped += 1
+
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
-        """New global vector: the example-weighted mean of the client vectors."""
+        """New global vector: the configured rule (`fl.robust`), by default the
+        example-weighted mean of the client vectors (counts already bounded)."""
         weights = torch.tensor([u.num_examples for u in updates], dtype=torch.float64)
-        stacked = torch.stack([u.vector for u in updates]).double()
-        return ((weights / weights.sum()) @ stacked).float()
+        return self.aggregator(torch.stack([u.vector for u in updates]), weights)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -210,6 +278,18 @@ class ServerStrategy(FedAvg):
         """Accept, aggregate, and report the mean train metrics of the accepted replies."""
         updates = self.accept(replies)
         if not updates:
+            return None, None
+        if len(updates) < self.aggregator.min_replies:
+            log.warning(
+                "round %d: %d accepted replies, %s with num_malicious=%d needs %d: "
+                "the global model is kept",
+                server_round,
+                len(updates),
+                self.aggregator.name,
+                self.aggregator.num_malicious,
+                self.aggregator.min_replies,
+            )
+            self.stats.skipped = True
             return None, None
         assert self.layout is not None
         self.global_vector = self.aggregate(server_round, updates)
@@ -226,7 +306,14 @@ class ServerStrategy(FedAvg):
     def diagnostics(self) -> dict[str, Any]:
         """Per-round values for metrics.jsonl (subclasses add their own)."""
         stats = self.stats
-        return {"rejected": stats.rejected, "failed": stats.failed, "missing": len(stats.missing)}
+        return {
+            "rejected": stats.rejected,
+            "failed": stats.failed,
+            "missing": len(stats.missing),
+            "examples_clipped": stats.examples_clipped,
+            "norm_clipped": stats.norm_clipped,
+            "aggregation_skipped": int(stats.skipped),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue after a restart."""

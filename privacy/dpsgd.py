@@ -105,7 +105,10 @@ class DPSGD:
     def session(self, n: int, config: ConfigRecord, seed: int) -> PrivateTraining:
         """This round's private training for a client with `n` examples.
 
-        A ledger grant sent in the train config (BUDGET_KEY) sizes σ when present.
+        A ledger grant sent in the train config (BUDGET_KEY) sizes σ when present. Per-round
+        step or batch keys (GIFT's `local-steps`) are not followed: the plan, the server's ε
+        and the ledger's charges use the run's; such strategies declare `dpsgd_safe = False`
+        on their server half and config validation refuses them with DP-SGD.
         """
         budget = cast(float | None, config.get(BUDGET_KEY))
         return PrivateTraining(self, self.plan(n, None if budget is None else float(budget)), seed)

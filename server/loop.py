@@ -12,10 +12,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
@@ -25,6 +25,7 @@ from fl.config import plain
 from fl.console import RoundReporter
 from fl.errors import RunError
 from fl.registry import get_strategy
+from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
 from fl.task import Task, get_task
 from fl.tracking import RunLog, clear_run, holds_run
@@ -92,6 +93,7 @@ def make_strategy(cfg: DictConfig) -> ServerStrategy:
         seed=cfg.seed,
         clients_per_round=cfg.clients_per_round,
         max_update_norm=float(cfg.max_update_norm),
+        **robust_options(cfg),
     )
     return wrap_central_dp(strategy, cfg)
 
@@ -122,6 +124,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     task = get_task(cfg)
     strategy = make_strategy(cfg)
     partitions = discover_partitions(grid, cfg.num_clients)
+    strategy.bound_examples(example_bounds(cfg, task, partitions))
     profiles = build_profiles(cfg.num_clients, seed=cfg.seed, **_system_options(cfg))
     clock = VirtualClock(profiles, cfg.seed)
     strategy.reachable = lambda rnd, nodes: _reachable(clock, partitions, rnd, nodes)
@@ -133,10 +136,13 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         progress, state, rows = _restore(saved, strategy, grid)
         clock.now = progress.virtual_time_s
     arrays = ArrayRecord(state)
-    run_log = RunLog(out_dir, cfg, rows)
     privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
     privacy.load_state_dict(progress.extra.get("privacy", {}))
-    stop = privacy.start()
+    refused = privacy.start()
+    if refused:  # no grant: nothing is trained or written
+        raise RunError(refused)
+    run_log = RunLog(out_dir, cfg, rows)
+    stop: str | None = None
 
     reporter = RoundReporter(
         cfg.rounds, progress.round, cfg.strategy.name, enabled=bool(cfg.progress)
@@ -155,9 +161,11 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             log.warning("%s", stop)
             break
         down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
+        asked = {m.metadata.dst_node_id: _asked_samples(m, cfg, task, partitions) for m in messages}
         wait_s = cfg.round_timeout_s or REPLY_WAIT_S
         replies = list(grid.send_and_receive(messages, timeout=wait_s))
         replies.sort(key=lambda r: partitions.get(r.metadata.src_node_id, -1))  # engine-independent
+        # bytes as received (also of replies rejected below), never as a client declares them
         up = {
             r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
         }
@@ -166,7 +174,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         accuracy, loss = evaluate_global(task, arrays)
 
         # Time and privacy read only replies the strategy accepted: the rest is untrusted.
-        work = [_work(u, partitions, down, up) for u in strategy.stats.updates]
+        work = [_work(u, partitions, down, up, asked) for u in strategy.stats.updates]
         waited = deadline_s if strategy.stats.missing else 0.0
         round_time = clock.advance(work, strategy.client_seconds, at_least=waited)
         progress.round = server_round
@@ -240,16 +248,35 @@ def _reachable(
     return sorted((n for n in nodes if partitions.get(n) in up), key=partitions.__getitem__)
 
 
+def _asked_samples(
+    message: Message, cfg: DictConfig, task: Task, partitions: dict[int, int]
+) -> int:
+    """Samples the server asked one node to train on: steps x batch size, or epochs x examples.
+
+    Read from the node's own instruction, where a strategy's per-round keys (GIFT's
+    `local-steps`) override the run's, as the ClientApp applies them; the examples are
+    those of the partition the server knows the node holds.
+    """
+    config = message.content.config_records["config"]
+    steps = int(cast(int, config.get("local-steps", cfg.local_steps)))
+    if steps > 0:
+        return steps * int(cast(int, config.get("batch-size", cfg.batch_size)))
+    epochs = int(cast(int, config.get("local-epochs", cfg.local_epochs)))
+    return epochs * len(task.partitions[partitions[message.metadata.dst_node_id]])
+
+
 def _work(
     update: ClientUpdate,
     partitions: dict[int, int],
     down: dict[int, Traffic],
     up: dict[int, Traffic],
+    asked: dict[int, int],
 ) -> ClientWork:
+    """A reply's work for the clock: fewer samples than asked (early stop), never more."""
     node = update.node_id
     return ClientWork(
         partition=partitions[node],
-        samples=int(update.metrics.get("samples", 0)),
+        samples=min(int(update.metrics.get("samples", 0)), asked.get(node, 0)),
         down_bytes=down[node].total if node in down else 0,
         up_bytes=up[node].total,
         metrics=update.metrics,

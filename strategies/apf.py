@@ -137,6 +137,8 @@ def _freeze_at_random(state: FreezingState, params: APFParams, generator: torch.
 class APFServer(ServerStrategy):
     """FedAvg over active scalars, with the freezing controller run after aggregation."""
 
+    central_dp_safe = False  # clients keep frozen scalars the server never resends
+
     params: APFParams
     state_attributes = ("freezing", "trained_mask", "replied")
 

@@ -109,6 +109,8 @@ def _change(state: FrequencyState, steps: int, server_round: int) -> None:
 class GIFTServer(ServerStrategy):
     """FedAvg whose clients get the current τ as `local-steps`; τ tuned after aggregation."""
 
+    dpsgd_safe = False  # sets local-steps per round, which DP-SGD's plan does not follow
+
     params: GIFTParams
     state_attributes = ("frequency", "round_steps", "consistency")
 

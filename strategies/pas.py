@@ -40,7 +40,6 @@ from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
 
 PERIODS, SHORTENED, STATE, SYNCED = "pas-periods", "pas-shortened", "pas", "pas-synced"
-GROUP_PERIODS, GROUP_BYTES = "pas-group-periods", "pas-group-bytes"
 
 
 @dataclass
@@ -123,20 +122,22 @@ def group_sizes(periods: torch.Tensor) -> list[tuple[int, int]]:
     return [(int(v), int(c)) for v, c in zip(values, counts, strict=True)]
 
 
+def group_bytes(periods: torch.Tensor) -> list[tuple[int, int]]:
+    """(period, float32 bytes) of each group of the reply, in sending order."""
+    return [(period, 4 * n) for period, n in group_sizes(periods)]
+
+
 def encode_groups(
     vector: torch.Tensor, periods: torch.Tensor
-) -> tuple[dict[str, ArrayRecord | ConfigRecord], dict[str, list[int]]]:
-    """The reply payload (groups in sending order) and its per-group byte counts."""
+) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The reply payload: one array per period group, in sending order."""
     arrays = ArrayRecord()
-    sizes = group_sizes(periods)
-    for period, _ in sizes:
+    groups = group_bytes(periods)
+    for period, _ in groups:
         arrays[f"p{period}"] = numpy_to_array(vector[periods == period].contiguous().numpy())
-    group_bytes = [4 * n for _, n in sizes]
-    codec = ConfigRecord(
-        {"name": "pas-groups", "payload-bytes": sum(group_bytes), "control-bytes": 0}
-    )
-    metrics = {GROUP_PERIODS: [p for p, _ in sizes], GROUP_BYTES: group_bytes}
-    return {"arrays": arrays, "codec": codec}, metrics
+    total = sum(size for _, size in groups)
+    codec = ConfigRecord({"name": "pas-groups", "payload-bytes": total, "control-bytes": 0})
+    return {"arrays": arrays, "codec": codec}
 
 
 def decode_groups(content: RecordDict, periods: torch.Tensor) -> torch.Tensor:
@@ -163,6 +164,8 @@ def _periods_array(periods: torch.Tensor) -> Array:
 # ----- server half ----------------------------------------------------------------------
 class PASServer(ServerStrategy):
     """FedAvg per scalar; per-scalar periods tuned after aggregation; overlap credited."""
+
+    dpsgd_safe = False  # sets local-steps per round, which DP-SGD's plan does not follow
 
     params: PASParams
     state_attributes = ("control", "shortened", "replied", "consistency")
@@ -213,16 +216,18 @@ class PASServer(ServerStrategy):
         return super().aggregate(server_round, updates)
 
     def client_seconds(self, profile: DeviceProfile, work: ClientWork) -> float:
-        periods, sizes = work.metrics.get(GROUP_PERIODS), work.metrics.get(GROUP_BYTES)
-        steps = int(work.metrics.get("steps", 0))
-        if not periods or not sizes or steps <= 0:
+        """Groups leave as their period ends: from the periods the server sent, never the
+        client's own account (a client could otherwise shorten its time)."""
+        groups = group_bytes(self.round_periods)
+        if len(groups) <= 1:
             return sequential_seconds(profile, work)
+        steps = int(self.round_periods.max())
         return pipelined_seconds(
             profile,
             down_bytes=work.down_bytes,
             step_seconds=work.samples / steps / profile.speed,
-            groups=zip(periods, sizes, strict=True),
-            extra_up_bytes=work.up_bytes - sum(sizes),
+            groups=groups,
+            extra_up_bytes=max(work.up_bytes - sum(size for _, size in groups), 0),
         )
 
     def diagnostics(self) -> dict[str, Any]:
@@ -277,8 +282,7 @@ class PASHooks(ClientHooks):
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        records, metrics = encode_groups(layout.flatten(model.state_dict()), self.periods)
-        return records, cast(dict[str, float | int], metrics)
+        return encode_groups(layout.flatten(model.state_dict()), self.periods), {}
 
 
 STRATEGY = register("pas", server=PASServer, client=PASHooks, params=PASParams)

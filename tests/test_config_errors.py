@@ -43,7 +43,10 @@ REFUSED_BY_VALIDATE = [
     (["strategy=pas", "local_steps=5", "strategy.levels=1.5"], "strategy.levels=1.5"),
     (["+round=5"], "unknown key 'round' (not in conf/config.yaml); did you mean rounds?"),
     (["+lrr=0.1"], "unknown key 'lrr' (not in conf/config.yaml); did you mean lr?"),
-    (["+zzzzqq=1"], "unknown key 'zzzzqq' (not in conf/config.yaml); known keys: batch_size"),
+    (
+        ["+zzzzqq=1"],
+        "unknown key 'zzzzqq' (not in conf/config.yaml); known keys: aggregation, batch_size",
+    ),
     (["output_dir=../x"], "output_dir='../x': fl-run sets it to the Hydra run directory"),
     (["experiment=dpbalance", "privacy.ledger.path=''"], "privacy.ledger.path='': this preset"),
     (["experiment=dpbalance", "privacy.ledger.path=null"], "privacy.ledger.path=None"),

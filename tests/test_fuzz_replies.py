@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from fl.codec import bitmap, encode_dense, encode_masked, payload_traffic
 from fl.engines.local import LocalGrid
 from fl.records import Layout, array_to_numpy, arrays_to_vector, numpy_to_array
+from fl.robust import ExampleBounds
 from fl.strategy import ServerStrategy
 from strategies.fedavg import FedAvgParams
 
@@ -233,10 +234,22 @@ def reply(
     return fault, records, expected, weight
 
 
-def _check_round(generated: list[tuple[str, Any, Any, int]], strategy: ServerStrategy) -> None:
+def _check_round(
+    generated: list[tuple[str, Any, Any, int]],
+    strategy: ServerStrategy,
+    bounds: list[int] | None = None,
+) -> None:
+    """One round of `generated` replies; with `bounds` (per reply, the round loop's partition
+    sizes) each good reply must weigh min(claim, bound)."""
     grid = _grid()
     instructions = _instruction(strategy, grid)
     before = strategy.global_vector.clone()
+    if bounds is not None:
+        nodes = [m.metadata.dst_node_id for m in instructions]
+        strategy.bound_examples(ExampleBounds(dict(zip(nodes, bounds, strict=False))))
+        generated = [
+            (f, c, v, min(w, b)) for (f, c, v, w), b in zip(generated, bounds, strict=False)
+        ]
     replies = []
     for (_, content, _, _), instruction in zip(generated, instructions, strict=False):
         if content is None:
@@ -297,6 +310,34 @@ def test_generated_replies_never_crash_or_corrupt_the_model(generated):
 @given(replies)
 def test_ten_thousand_generated_replies(generated):
     _fuzz(generated)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=QUIET)
+@given(data=st.data())
+def test_no_claimed_example_count_weighs_more_than_the_servers_bound(data):
+    """Claims up to 10^12 examples, bounds of 1-1000: the mean uses min(claim, bound)."""
+    generated = data.draw(replies)
+    claims = []
+    for fault, content, expected, weight in generated:
+        if content is not None and fault.startswith("good"):
+            weight = data.draw(st.one_of(st.integers(1, 1000), st.just(10**12)))
+            content = {**content, "metrics": _metrics(weight)}
+        claims.append((fault, content, expected, weight))
+    bounds = data.draw(st.lists(st.integers(1, 1000), min_size=4, max_size=4))
+    strategy = ServerStrategy(
+        FedAvgParams(),
+        seed=0,
+        clients_per_round=len(claims),
+        max_update_norm=MAX_NORM,
+        max_payload_bytes=MAX_PAYLOAD,
+    )
+    _check_round(claims, strategy, bounds)
+    over = sum(
+        1
+        for (f, c, _, w), b in zip(claims, bounds, strict=False)
+        if c is not None and f.startswith("good") and w > b
+    )
+    assert strategy.stats.examples_clipped == over
 
 
 def test_a_fortran_ordered_npy_from_another_writer_decodes_to_the_same_values():

@@ -13,8 +13,6 @@ from fl.clock import ClientWork, DeviceProfile, pipelined_seconds, sequential_se
 from fl.codec import CodecError, encode_dense, payload_traffic
 from fl.records import Layout, numpy_to_array
 from strategies.pas import (
-    GROUP_BYTES,
-    GROUP_PERIODS,
     PERIODS,
     SHORTENED,
     PASHooks,
@@ -23,6 +21,7 @@ from strategies.pas import (
     PeriodState,
     decode_groups,
     encode_groups,
+    group_bytes,
     shorten,
     tune_periods,
 )
@@ -106,18 +105,17 @@ def test_each_group_stops_at_the_end_of_its_period():
         assert torch.equal(trace[-1][group], trace[p][group])  # frozen since step p
         assert not torch.equal(trace[p][group], trace[p - 1][group])  # moved until step p
     # the reply: one array per group, smallest period first, all scalars once
-    records, metrics = hooks.end(model, state, layout)
+    records, _ = hooks.end(model, state, layout)
     assert list(records["arrays"].keys()) == ["p2", "p4", "p8"]
     counts = [int((periods == p).sum()) for p in (2, 4, 8)]
-    assert metrics[GROUP_PERIODS] == [2, 4, 8]
-    assert metrics[GROUP_BYTES] == [4 * n for n in counts]
+    assert group_bytes(periods) == [(p, 4 * n) for p, n in zip((2, 4, 8), counts, strict=True)]
     assert payload_traffic(RecordDict(records)).payload == 4 * layout.numel
     assert torch.equal(decode_groups(RecordDict(records), periods), trace[-1])
 
 
 def test_grouped_reply_must_match_the_servers_periods():
     periods = torch.tensor([4, 8, 4, 8])
-    records, _ = encode_groups(torch.arange(4.0), periods)
+    records = encode_groups(torch.arange(4.0), periods)
     with pytest.raises(CodecError, match="do not match"):
         decode_groups(RecordDict(records), torch.full((4,), 2))
     with pytest.raises(CodecError, match=r"p4 holds float32 \(2,\), expected float32 \(1,\)"):
@@ -171,13 +169,18 @@ def test_pipelined_schedule_credits_uploads_that_overlap_training():
     assert pipelined_seconds(
         profile, down_bytes=200, step_seconds=0.1, groups=[(10, 250), (20, 150)]
     ) == pytest.approx(1 + 1 + 2.5 + 1.5)
-    # through the strategy: the reply's metrics; one group is FedAvg's sequential time
+    # through the strategy: the periods the server sent (12 scalars at τ=10, 38 at τ=20:
+    # 48 and 152 bytes), whatever the client claims; one group is FedAvg's sequential time
     server = PASServer(PASParams(), seed=0, clients_per_round=1)
-    metrics = {"steps": 20, GROUP_PERIODS: [10, 20], GROUP_BYTES: [50, 150]}
-    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=220, metrics=metrics)
-    assert server.client_seconds(profile, work) == pytest.approx(4.7)
-    single = {"steps": 20, GROUP_PERIODS: [20], GROUP_BYTES: [200]}
-    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=200, metrics=single)
+    server.round_periods = torch.tensor([10] * 12 + [20] * 38)
+    lying = {"steps": 10**9, "pas-group-bytes": [0, 0]}
+    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=220, metrics=lying)
+    expected = pipelined_seconds(
+        profile, down_bytes=200, step_seconds=0.1, groups=[(10, 48), (20, 152)], extra_up_bytes=20
+    )
+    assert server.client_seconds(profile, work) == pytest.approx(expected)
+    server.round_periods = torch.full((50,), 20)
+    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=200)
     assert server.client_seconds(profile, work) == pytest.approx(sequential_seconds(profile, work))
 
 

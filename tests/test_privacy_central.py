@@ -69,3 +69,20 @@ def test_fixed_clipping_bounds_every_round_and_adaptive_clipping_adapts(tmp_path
 def test_invalid_central_dp_options_are_refused_by_name(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(compose([*RUN, override]))
+
+
+def test_fl_run_refuses_apf_under_central_dp_in_one_line_naming_both(tmp_path):
+    # APF's clients keep the frozen scalars the server never resends: central DP's noise
+    # on them would leave clients and server with different models
+    proc = subprocess.run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path}", "strategy=apf", *RUN),
+        cwd=REPO,
+        env=fl_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    refusal = [line for line in proc.stderr.splitlines() if "strategy=apf" in line]
+    assert len(refusal) == 1 and "privacy=central" in refusal[0], proc.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -32,10 +32,10 @@ def test_layout_names_the_mismatch(state):
         layout.flatten({"w": state["w"], "steps": state["steps"]})
 
 
-def test_dense_codec_counts_four_bytes_per_scalar(state):
+def test_dense_codec_counts_true_dtype_sizes(state):
     layout = Layout.of(state)
     content = RecordDict(encode_dense(layout.flatten(state), layout))
-    assert payload_traffic(content) == Traffic(64, 0)
+    assert payload_traffic(content) == Traffic(68, 0)  # 15 float32 and one int64 scalar
     assert torch.equal(decode(content, layout), layout.flatten(state))
 
 

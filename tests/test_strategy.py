@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from fl.codec import encode_dense
 from fl.engines.local import LocalGrid
 from fl.records import Layout
+from fl.robust import ExampleBounds
 from fl.strategy import ServerStrategy
 from strategies.fedavg import FedAvgParams
 
@@ -37,7 +38,11 @@ def _client(behaviour: dict[int, str]) -> ClientApp:
             records["arrays"] = ArrayRecord({"w": torch.zeros(3, 3), "b": torch.zeros(2)})
         if kind == "huge":
             records = encode_dense(torch.full((LAYOUT.numel,), 1e9), LAYOUT)
+        if kind == "reversed":  # a bounded, reversed update (norm 6 * 6 ** 0.5 = 14.7)
+            records = encode_dense(torch.full((LAYOUT.numel,), -6.0), LAYOUT)
         metrics = {"num-examples": p + 1, "train-loss": 1.0}
+        if kind in ("inflate", "reversed"):
+            metrics["num-examples"] = 10**12
         if kind == "no-examples":
             metrics = {"train-loss": 1.0}
         return Message(RecordDict({**records, "metrics": MetricRecord(metrics)}), reply_to=msg)
@@ -45,9 +50,12 @@ def _client(behaviour: dict[int, str]) -> ClientApp:
     return app
 
 
-def _round(behaviour: dict[int, str], num_nodes: int = 4, **kwargs):
+def _round(behaviour: dict[int, str], num_nodes: int = 4, bounded: bool = False, **kwargs):
     grid = LocalGrid(_client(behaviour), num_nodes, {})
     strategy = ServerStrategy(FedAvgParams(), seed=0, clients_per_round=num_nodes, **kwargs)
+    if bounded:  # what the round loop sets: each node's partition size (here p + 1)
+        partitions = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
+        strategy.bound_examples(ExampleBounds({n: p + 1 for n, p in partitions.items()}))
     messages = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
     replies = grid.send_and_receive(messages)
     arrays, metrics = strategy.aggregate_train(1, replies)
@@ -108,3 +116,65 @@ def test_selection_is_seeded_and_per_node_config_is_sent():
         config = m.content.config_records["config"]
         assert config["batch-size"] == m.metadata.dst_node_id % 7 + 1
         assert config["server-round"] == 3 and config["lr"] == 0.1
+
+
+def _global(arrays) -> torch.Tensor:
+    return LAYOUT.flatten(arrays.to_torch_state_dict())
+
+
+def test_a_claim_of_a_trillion_examples_is_clipped_to_the_partition_size(caplog):
+    # the reply of partition 3 is honest (value 4) but claims 10^12 examples
+    _, arrays, _ = _round({3: "inflate"})
+    assert _global(arrays)[0] == pytest.approx(4.0, abs=1e-6)  # the old behaviour: it decides
+    with caplog.at_level("WARNING", logger="fl.strategy"):
+        strategy, arrays, metrics = _round({3: "inflate"}, bounded=True)
+    assert torch.allclose(_global(arrays), torch.full((6,), 3.0))  # the honest weighted mean
+    assert metrics["num-examples"] == 10
+    assert strategy.stats.accepted == 4 and strategy.stats.rejected == 0
+    assert strategy.diagnostics()["examples_clipped"] == 1
+    assert "claims 1000000000000 examples, more than the 4" in caplog.text
+
+
+def test_a_bounded_reversed_update_with_an_inflated_claim_cannot_steer_the_model():
+    # the finding: max_update_norm lets a small reversed update through, 10^12 weighs it
+    _, arrays, _ = _round({3: "reversed"}, max_update_norm=20.0)
+    assert _global(arrays)[0] < -5.9
+    strategy, arrays, _ = _round({3: "reversed"}, bounded=True, max_update_norm=20.0)
+    assert _global(arrays)[0] == pytest.approx((1 + 4 + 9 - 24) / 10)
+    assert strategy.stats.examples_clipped == 1
+
+
+def test_a_node_without_a_known_bound_weighs_at_most_the_median_claim():
+    grid_nodes = LocalGrid(_client({}), 4, {}).contexts
+    known = {n: c.node_config["partition-id"] + 1 for n, c in grid_nodes.items()}
+    loose = next(n for n, c in grid_nodes.items() if c.node_config["partition-id"] == 3)
+    del known[loose]
+    grid = LocalGrid(_client({3: "inflate"}), 4, {})
+    strategy = ServerStrategy(FedAvgParams(), seed=0, clients_per_round=4)
+    strategy.bound_examples(ExampleBounds(known))
+    messages = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
+    arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    # claims 1, 2, 3, 10^12: the unbounded one is cut to the median claim, 2.5 -> 3
+    assert torch.allclose(_global(arrays), torch.full((6,), (1 + 4 + 9 + 4 * 3) / 9))
+    assert strategy.stats.examples_clipped == 1
+
+
+@pytest.mark.parametrize("policy", ["reject", "clip"])
+def test_update_norm_policy_rejects_or_clips_to_the_bound(policy):
+    strategy, arrays, _ = _round({0: "huge"}, max_update_norm=1e3, update_norm_policy=policy)
+    got = _global(arrays)
+    if policy == "reject":
+        assert strategy.stats.rejected == 1 and strategy.stats.norm_clipped == 0
+        assert torch.allclose(got, torch.full((6,), 29 / 9))  # partitions 1..3 only
+    else:
+        assert strategy.stats.rejected == 0 and strategy.stats.norm_clipped == 1
+        clipped = max((u.vector for u in strategy.stats.updates), key=lambda v: float(v[0]))
+        assert float(torch.linalg.vector_norm(clipped)) == pytest.approx(1e3, rel=1e-5)
+        assert torch.allclose(clipped, torch.full((6,), 1e3 / 6**0.5))
+        assert torch.allclose(got, (clipped + 29) / 10)
+        assert strategy.diagnostics()["norm_clipped"] == 1
+
+
+def test_an_unknown_norm_policy_is_refused():
+    with pytest.raises(ValueError, match="update_norm_policy"):
+        ServerStrategy(FedAvgParams(), seed=0, clients_per_round=1, update_norm_policy="warn")
