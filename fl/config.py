@@ -437,6 +437,16 @@ def validate(cfg: DictConfig) -> None:
         _integer(cfg, "engine.workers", 1)
     if cfg.engine.name == "deployment":
         _number(cfg, "engine.node_wait_s", 0)
+        from fl.tls import is_allowlist
+
+        allowed = OmegaConf.select(cfg, "engine.allowed_nodes")
+        listed = OmegaConf.to_container(allowed) if isinstance(allowed, ListConfig) else allowed
+        _require(
+            allowed is None or is_allowlist(listed),
+            "engine.allowed_nodes",
+            listed,
+            "must be null or a non-empty list of node ids and SHA256:… key fingerprints",
+        )
     if cfg.engine.name == "flower-sim":
         _number(cfg, "engine.num_cpus_per_client", 0)
         _number(cfg, "engine.num_gpus_per_client", 0)

@@ -10,6 +10,10 @@
 - `node-I`, `node-I.pub`: SuperNode I's key (`--auth-supernode-private-key node-I`); the
   `.pub` is registered on the SuperLink with `flwr supernode register node-I.pub`.
 
+It also prints `engine.allowed_nodes=[SHA256:…,…]`, the node keys' fingerprints (as
+`ssh-keygen -lf node-I.pub` prints them): the ServerApp trains only nodes on that list
+(server/nodes.py), whichever keys get registered on the SuperLink.
+
 The server certificate names `localhost`, `127.0.0.1` and every `--host` as subject
 alternative names (clients check the address they dial against them). Node keys are
 ECDSA P-384 in OpenSSH format, the form flwr's node authentication loads. Existing files
@@ -19,9 +23,12 @@ are never overwritten, so re-running with a larger `--nodes` only adds keys.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
+import hashlib
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +40,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
     "DEFAULT_HOSTS",
+    "FINGERPRINT",
     "Bundle",
+    "fingerprint",
+    "is_allowlist",
     "make_ca",
     "make_node_key",
     "make_server_cert",
@@ -42,6 +52,8 @@ __all__ = [
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 Signed = tuple[ec.EllipticCurvePrivateKey, x509.Certificate]
+FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")  # OpenSSH's form, 32 bytes unpadded
+MAX_NODE_ID = 2**64 - 1  # flwr node ids are uint64
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,33 @@ def write_node_key(path: Path, comment: str = "") -> None:
     _write(path.with_name(path.name + ".pub"), public + suffix + b"\n", secret=False)
 
 
+def fingerprint(public_key: bytes) -> str:
+    """`SHA256:…` of a public key given as PEM (what a SuperLink stores) or an OpenSSH line.
+
+    The same string as `ssh-keygen -lf KEY.pub` prints: SHA-256 of the key's OpenSSH wire
+    form, base64 without padding.
+    """
+    if public_key.lstrip().startswith(b"-----BEGIN"):
+        key = serialization.load_pem_public_key(public_key)
+    else:
+        key = serialization.load_ssh_public_key(public_key.strip().split(b"\n")[0])
+    line = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    digest = hashlib.sha256(base64.b64decode(line.split()[1])).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def is_allowlist(entries: object) -> bool:
+    """A non-empty list of node ids (uint64, as `flwr supernode register` prints them) and
+    key fingerprints (`SHA256:…`, see `fingerprint`)."""
+    if not isinstance(entries, list | tuple) or not entries:
+        return False
+    return all(
+        (isinstance(e, int) and not isinstance(e, bool) and 0 <= e <= MAX_NODE_ID)
+        or (isinstance(e, str) and FINGERPRINT.fullmatch(e) is not None)
+        for e in entries
+    )
+
+
 def write_bundle(out: Path, hosts: Sequence[str] = DEFAULT_HOSTS, nodes: int = 0) -> Bundle:
     """CA, server certificate for `hosts` and `nodes` node keys under `out`; keeps existing."""
     out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     bundle = write_bundle(args.out, args.host, args.nodes)
     for path in (bundle.ca_cert, bundle.server_cert, bundle.server_key, *bundle.node_keys):
         print(path)
+    if bundle.node_keys:
+        prints = [fingerprint(Path(f"{p}.pub").read_bytes()) for p in bundle.node_keys]
+        print(f"engine.allowed_nodes=[{','.join(prints)}]")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from fl.config import from_run_config, validate
 from fl.seeding import pin_torch_threads
 from server.loop import run_training
-from server.nodes import node_wait_s, wait_for_nodes
+from server.nodes import AllowedGrid, allowed_nodes, node_wait_s, wait_for_nodes
 
 __all__ = ["app"]
 
@@ -26,11 +26,15 @@ def main(grid: Grid, context: Context) -> None:
     """Train for the configured rounds; outputs go to `output_dir` (or outputs/run-ID).
 
     Raises (so Flower marks the run `finished:failed`) before any data is loaded or
-    output written when fewer than `num_clients` nodes connect (server/nodes.py).
+    output written when fewer than `num_clients` allowed nodes connect (server/nodes.py).
+    With `engine.allowed_nodes`, nodes off that list are refused for the whole run.
     """
     cfg = from_run_config(context.run_config)
     validate(cfg)
     pin_torch_threads(cfg.torch_threads)
+    allowed = allowed_nodes(cfg)
+    if allowed is not None:
+        grid = AllowedGrid(grid, allowed)
     wait_for_nodes(grid, cfg.num_clients, node_wait_s(cfg))
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
     run_training(grid, cfg, out_dir)

@@ -10,23 +10,36 @@ experiment. How long to wait for missing nodes depends on who starts them:
   shortfall fails within seconds, naming the federation setting to change;
 - in a deployment SuperNodes connect whenever they are started, so the ServerApp waits up
   to `engine.node_wait_s` for the rest, then fails.
+
+Who may take part is fixed at run start: with `engine.allowed_nodes` (node ids and key
+fingerprints) the ServerApp sees the grid through `AllowedGrid`, so a node off the list is
+never counted, asked for its partition or sent any message; it is refused and logged. Of
+the nodes it does see, one holding a partition outside `0 … num_clients-1`, or one already
+held by a node with a lower id, is refused and logged too; only partitions that no
+remaining node holds fail the run.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections.abc import Iterable
 from typing import cast
 
 from flwr.app import Message, MessageType, RecordDict
+from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.superlink.grid import InMemoryGrid
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from fl.tls import fingerprint, is_allowlist
 
 __all__ = [
     "NODE_WAIT_S",
+    "AllowedGrid",
     "FederationError",
+    "allowed_nodes",
     "discover_partitions",
     "node_wait_s",
     "wait_for_nodes",
@@ -52,6 +65,97 @@ def node_wait_s(cfg: DictConfig) -> float:
     return float(wait)
 
 
+def allowed_nodes(cfg: DictConfig) -> frozenset[int | str] | None:
+    """`engine.allowed_nodes` (node ids and `SHA256:` key fingerprints), or None: no list."""
+    entries = cfg.engine.get("allowed_nodes")
+    if entries is None:
+        return None
+    listed = OmegaConf.to_container(entries) if isinstance(entries, ListConfig) else entries
+    if not is_allowlist(listed):
+        raise ValueError(
+            f"engine.allowed_nodes={entries!r} must be a non-empty list of node ids and "
+            f"SHA256:… key fingerprints"
+        )
+    return frozenset(cast(list[int | str], listed))
+
+
+def _key(node: NodeInfo) -> str | None:
+    """The fingerprint of the key a node authenticated with (None without node auth)."""
+    return fingerprint(node.public_key) if node.public_key else None
+
+
+class AllowedGrid(Grid):
+    """`grid` as seen by a ServerApp that trains only the nodes on an allow-list.
+
+    Nodes off the list are left out of `get_node_ids`/`get_nodes` (each refusal logged
+    once) and a message addressed to one is an error, so the round loop can neither count
+    them, nor ask them for a partition, nor send them work. A node is on the list by its id
+    (stable for a registered key) or by the fingerprint of the key it authenticated with.
+    """
+
+    def __init__(self, grid: Grid, allowed: frozenset[int | str]) -> None:
+        self.inner = grid
+        self.allowed = allowed
+        self.refused: set[int] = set()
+        self._admitted: set[int] = set()
+
+    def _allows(self, node: NodeInfo) -> bool:
+        return node.node_id in self.allowed or _key(node) in self.allowed
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        admitted = []
+        for node in self.inner.get_nodes():
+            if self._allows(node):
+                admitted.append(node)
+                self._admitted.add(node.node_id)
+            elif node.node_id not in self.refused:
+                self.refused.add(node.node_id)
+                log.warning(
+                    "refused node %d (key %s): not on engine.allowed_nodes",
+                    node.node_id,
+                    _key(node) or "none: node authentication is off",
+                )
+        return admitted
+
+    def get_node_ids(self) -> Iterable[int]:
+        return [node.node_id for node in self.get_nodes()]
+
+    def _check(self, messages: Iterable[Message]) -> list[Message]:
+        out = list(messages)
+        stray = sorted({m.metadata.dst_node_id for m in out} - self._admitted)
+        if stray:
+            raise FederationError(f"messages addressed to nodes not on the allow-list: {stray}")
+        return out
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.inner.push_messages(self._check(messages))
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.inner.send_and_receive(self._check(messages), timeout=timeout)
+
+    def set_run(self, run: Run) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.inner.run
+
+    def create_message(  # deprecated in flwr, abstract all the same
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+
 def _simulation_too_small(connected: int, expected: int) -> FederationError:
     return FederationError(
         f"Flower's simulation federation has {connected} SuperNodes but num_clients="
@@ -72,7 +176,7 @@ def _deployment_too_small(connected: int, expected: int, wait_s: float) -> Feder
 
 def wait_for_nodes(grid: Grid, expected: int, wait_s: float) -> list[int]:
     """The connected node ids, once at least `expected` are; FederationError if never."""
-    simulated = isinstance(grid, InMemoryGrid)
+    simulated = isinstance(grid.inner if isinstance(grid, AllowedGrid) else grid, InMemoryGrid)
     deadline = time.monotonic() + wait_s
     seen, stable_since = -1, time.monotonic()
     while len(nodes := sorted(grid.get_node_ids())) < expected:
@@ -88,37 +192,55 @@ def wait_for_nodes(grid: Grid, expected: int, wait_s: float) -> list[int]:
     return nodes
 
 
+def _claimed(reply: Message) -> int | None:
+    """The partition id a node's `query.info` reply claims; None if it is not an int."""
+    info = reply.content.config_records.get("info")
+    partition = info.get("partition-id") if info is not None else None
+    return partition if isinstance(partition, int) and not isinstance(partition, bool) else None
+
+
 def discover_partitions(grid: Grid, expected: int, timeout_s: float = QUERY_S) -> dict[int, int]:
     """Map node id -> partition id for partitions `0 … expected-1`, asking every node.
 
-    Call after `wait_for_nodes`. Nodes holding a partition outside that range are left
-    out (with a warning); a partition held by two nodes, or by none, is a FederationError.
+    Call after `wait_for_nodes`. A node holding a partition outside that range, or one a
+    node with a lower id already holds, is refused (logged) and never trained; a
+    partition that no node holds is a FederationError.
     """
     nodes = sorted(grid.get_node_ids())
     queries = [Message(RecordDict(), node, MessageType.QUERY + ".info") for node in nodes]
     replies = list(grid.send_and_receive(queries, timeout=timeout_s))
-    held = {
-        r.metadata.src_node_id: cast(int, r.content.config_records["info"]["partition-id"])
-        for r in replies
-        if r.has_content()
-    }
-    extra = {node: p for node, p in held.items() if not 0 <= p < expected}
-    if extra:
-        log.warning(
-            "left out %d node(s) holding partitions outside 0…%d (num_clients=%d): %s",
-            len(extra),
-            expected - 1,
-            expected,
-            sorted(extra.values()),
-        )
-    found = {node: p for node, p in held.items() if node not in extra}
-    twice = sorted(p for p, n in Counter(found.values()).items() if n > 1)
-    missing = sorted(set(range(expected)) - set(found.values()))
-    if twice or missing:
+    held = {r.metadata.src_node_id: _claimed(r) for r in replies if r.has_content()}
+    found: dict[int, int] = {}
+    holder: dict[int, int] = {}  # partition -> node
+    twice: set[int] = set()
+    for node, partition in sorted(held.items()):
+        if partition is None:
+            log.warning("refused node %d: its reply to the partition query is malformed", node)
+        elif not 0 <= partition < expected:
+            log.warning(
+                "refused node %d: it holds partition %d, outside 0…%d (num_clients=%d)",
+                node,
+                partition,
+                expected - 1,
+                expected,
+            )
+        elif partition in holder:
+            twice.add(partition)
+            log.warning(
+                "refused node %d: partition %d is already held by node %d",
+                node,
+                partition,
+                holder[partition],
+            )
+        else:
+            holder[partition] = node
+            found[node] = partition
+    missing = sorted(set(range(expected)) - set(holder))
+    if missing:
         raise FederationError(
             f"{len(held)} of {len(nodes)} nodes answered the partition query; partitions "
-            f"held by several nodes: {twice}, by none: {missing}. Each SuperNode needs its "
-            f"own --node-config 'partition-id=I num-partitions={expected}', "
+            f"held by several nodes: {sorted(twice)}, by none: {missing}. Each SuperNode "
+            f"needs its own --node-config 'partition-id=I num-partitions={expected}', "
             f"I = 0…{expected - 1}"
         )
     return found

@@ -1,9 +1,10 @@
 """Test support: a real SuperLink and SuperNodes on 127.0.0.1, and `fl-run` submitting to them.
 
 Used by every integration test of `engine=deployment` (plain, killed node, edge node,
-TLS with node authentication). Each process gets its own log (`ROOT/NAME.log`), its own
-FLWR_HOME (`ROOT/NAME/`, where it installs the FAB) and its own session, so `stop()`
-ends exactly what the test started.
+TLS with node authentication, outsiders). Each process gets its own log (`ROOT/NAME.log`),
+its own FLWR_HOME (`ROOT/NAME/`, where it installs the FAB) and its own session, so
+`stop()` ends exactly what the test started. A federation may run inside a network
+namespace (`wrap`, see `netns_pair`), with `fl.gate` as the only way in from outside.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,17 +25,24 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
+import tomli_w
 from conftest import OFFLINE, REPO, fl_env, fl_run_cmd, read_metrics, run_fl
 
 __all__ = [
     "BIN",
     "TWO_ROUNDS",
     "Federation",
+    "Wrap",
+    "flwr_cli",
     "local_rows",
+    "netns_pair",
     "running_federation",
     "stop_processes",
     "submit",
 ]
+
+Wrap = Callable[[list[str]], list[str]]  # e.g. run a command in a network namespace
 
 BIN = Path(sys.executable).parent
 # Two SuperNodes, full participation (digits, the default task): the run of section 8 of
@@ -54,16 +63,29 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+def _connects(host: str, port: int, wrap: Wrap | None) -> bool:
+    if wrap is None:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+    probe = wrap(["bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"])  # from inside `wrap`
+    return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+
+def _wait_listening(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 60,
+    host: str = "127.0.0.1",
+    wrap: Wrap | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if _connects(host, port, wrap):
+            return
         time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
 def stop_processes(pids: Iterable[int]) -> None:
@@ -96,24 +118,39 @@ def stop_processes(pids: Iterable[int]) -> None:
 
 @dataclass
 class Federation:
-    """A SuperLink (its one HTTP port serves Fleet, Control and Runtime APIs) and nodes."""
+    """A SuperLink (its one HTTP port serves Fleet, Control and Runtime APIs) and nodes.
+
+    With `wrap`, every process runs through it (in a network namespace, say). SuperNodes
+    dial `fleet`: the SuperLink itself, or the Fleet-only gate once `start_gate` ran.
+    """
 
     root: Path
     port: int = 0
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    wrap: Wrap | None = None
+    fleet: str = ""
     _ports: Iterator[int] = field(default_factory=lambda: iter(_free_ports(PORTS)))
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        """Start `cmd` with its own FLWR_HOME, log and session; stopped by `stop()`."""
+    def start(self, name: str, cmd: list[str], wrap: Wrap | None = None) -> subprocess.Popen[bytes]:
+        """Start `cmd` with its own FLWR_HOME, log and session; stopped by `stop()`.
+
+        It runs through `wrap`, else through the federation's own `wrap`.
+        """
         home = self.root / name
         home.mkdir(parents=True)
         # The venv's bin goes first on PATH: SuperLinks and SuperNodes spawn
         # flower-superexec, flwr-serverapp and flwr-clientapp by name.
         path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
         env = {**fl_env(), **OFFLINE, "FLWR_HOME": str(home), "PATH": path}
+        wrap = wrap or self.wrap
         with (self.root / f"{name}.log").open("wb") as out:
             proc = subprocess.Popen(
-                cmd, cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                wrap(cmd) if wrap else cmd,
+                cwd=home,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.procs.append(proc)
         return proc
@@ -123,7 +160,26 @@ class Federation:
         self.port = next(self._ports)
         cmd = [str(BIN / "flower-superlink"), *flags, "--database", str(self.root / "state.db")]
         link = self.start("superlink", [*cmd, "--host", "127.0.0.1", "--port", str(self.port)])
-        _wait_listening(self.port, link)
+        self.fleet = f"127.0.0.1:{self.port}"
+        _wait_listening(self.port, link, wrap=self.wrap)
+
+    def start_gate(self, host: str, *flags: str) -> None:
+        """`python -m fl.gate` on `host` in front of the SuperLink; nodes dial it from now on.
+
+        `flags`: the gate's TLS flags (as the SuperLink's), or `--insecure`.
+        """
+        port = next(self._ports)
+        cmd = [sys.executable, "-m", "fl.gate", "--listen", f"{host}:{port}"]
+        gate = self.start("gate", [*cmd, "--superlink", f"127.0.0.1:{self.port}", *flags])
+        self.fleet = f"{host}:{port}"
+        _wait_listening(port, gate, host=host, wrap=self.wrap)
+
+    def flwr(
+        self, *args: str, ca: Path | None, address: str = "", name: str = "cli"
+    ) -> subprocess.CompletedProcess[str]:
+        """The `flwr` CLI against `address` (the SuperLink's Control API by default)."""
+        home = self.root / name
+        return flwr_cli(home, address or f"127.0.0.1:{self.port}", ca, *args, wrap=self.wrap)
 
     def start_supernode(
         self,
@@ -131,20 +187,20 @@ class Federation:
         partitions: int,
         *flags: str,
         name: str | None = None,
-        wrap: Callable[[list[str]], list[str]] | None = None,
+        wrap: Wrap | None = None,
     ) -> subprocess.Popen[bytes]:
-        """A SuperNode holding `partition` of `partitions`, dialling our SuperLink."""
+        """A SuperNode holding `partition` of `partitions`, dialling `fleet`."""
         cmd = [
             str(BIN / "flower-supernode"),
             *flags,
             "--superlink",
-            f"127.0.0.1:{self.port}",
+            self.fleet,
             "--port",  # the node's own Runtime API; one port per node
             str(next(self._ports)),
             "--node-config",
             f"partition-id={partition} num-partitions={partitions}",
         ]
-        return self.start(name or f"supernode{partition}", wrap(cmd) if wrap else cmd)
+        return self.start(name or f"supernode{partition}", cmd, wrap)
 
     def logs(self) -> str:
         """The tail of every process's log, for assertion messages."""
@@ -171,10 +227,71 @@ def running_federation(root: Path, nodes: int = 2) -> Iterator[Federation]:
         fed.stop()
 
 
+def flwr_cli(
+    home: Path, address: str, ca: Path | None, *args: str, wrap: Wrap | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`flwr ARGS link` with FLWR_HOME=`home`, whose connection `link` is `address`,
+    trusting `ca` (None: no CA of its own, so only the system's)."""
+    home.mkdir(parents=True, exist_ok=True)
+    conn = {"address": address}
+    if ca is not None:
+        conn["root-certificates"] = str(ca)
+    (home / "config.toml").write_text(
+        tomli_w.dumps({"superlink": {"default": "link", "link": conn}})
+    )
+    cmd = [str(BIN / "flwr"), *args, "link"]
+    return subprocess.run(
+        wrap(cmd) if wrap else cmd,
+        env={**fl_env(), **OFFLINE, "FLWR_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@contextlib.contextmanager
+def netns_pair(subnet: int = 77) -> Iterator[tuple[Wrap, str, Wrap, str]]:
+    """Two fresh network namespaces joined by a veth pair, nothing else in either.
+
+    Yields (wrap_a, address_a, wrap_b, address_b): `wrap_x(cmd)` runs `cmd` in namespace x,
+    which has loopback and 10.213.`subnet`.1 (a) or .2 (b). Needs root and iproute2
+    (skips otherwise); the namespaces, and with them the veth pair, are deleted afterwards.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for `ip netns`")
+    names = (f"fl-a{os.getpid()}", f"fl-b{os.getpid()}")
+    addresses = (f"10.213.{subnet}.1", f"10.213.{subnet}.2")
+
+    def wrapper(ns: str) -> Wrap:
+        return lambda cmd: ["ip", "netns", "exec", ns, *cmd]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # stale
+            try:
+                ip("netns", "add", ns)
+            except subprocess.CalledProcessError as err:
+                pytest.skip(f"cannot create a network namespace: {err.stderr.decode().strip()}")
+            ip("-n", ns, "link", "set", "lo", "up")
+        # Created inside namespace a with its peer inside b: no interface ever in ours.
+        veth = ["link", "add", "fl-va", "type", "veth", "peer", "name", "fl-vb", "netns"]
+        ip("-n", names[0], *veth, names[1])
+        for ns, dev, address in zip(names, ("fl-va", "fl-vb"), addresses, strict=True):
+            ip("-n", ns, "addr", "add", f"{address}/30", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+        yield wrapper(names[0]), addresses[0], wrapper(names[1]), addresses[1]
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
 def submit(
     fed: Federation, run_dir: Path, *overrides: str, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    """`fl-run engine=deployment` against `fed`, to the end of the run."""
+    """`fl-run engine=deployment` against `fed` (through its `wrap`), to the end of the run."""
     cmd = fl_run_cmd(
         f"hydra.run.dir={run_dir}",
         "engine=deployment",
@@ -184,7 +301,7 @@ def submit(
     # No FLWR_HOME: fl-run must write its connection into a private one.
     env = {k: v for k, v in {**fl_env(), **OFFLINE}.items() if k != "FLWR_HOME"}
     proc = subprocess.Popen(
-        cmd,
+        fed.wrap(cmd) if fed.wrap else cmd,
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

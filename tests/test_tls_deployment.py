@@ -9,6 +9,7 @@ unregistered key, no key at all, and a registered key without the CA certificate
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import ssl
 import subprocess
@@ -18,15 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import tomli_w
-from conftest import OFFLINE, fl_env, read_metrics
+from conftest import read_metrics
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
-from federation import BIN, TWO_ROUNDS, Federation, local_rows, submit
+from federation import TWO_ROUNDS, Federation, local_rows, submit
 from flwr.cli.supernode.register import try_load_public_key
 
-from fl.tls import main, write_bundle
+from fl.tls import FINGERPRINT, fingerprint, is_allowlist, main, write_bundle
 
 REFUSED = "Exit Code: 305"  # flwr's SUPERNODE_CONNECTION_ERROR, logged before the node exits
 INTRUDERS = {
@@ -95,11 +95,29 @@ def test_node_keys_are_what_flwr_node_auth_loads(tmp_path):
 
 def test_the_command_line_writes_the_bundle(tmp_path, capsys):
     main([str(tmp_path / "certs"), "--host", "10.0.0.5", "--nodes", "2"])
-    printed = capsys.readouterr().out.split()
-    assert printed == [
+    *paths, allow = capsys.readouterr().out.split()
+    assert paths == [
         str(tmp_path / "certs" / name)
         for name in ("ca.pem", "server.pem", "server.key", "node-0", "node-1")
     ]
+    prints = [fingerprint((tmp_path / "certs" / f"node-{i}.pub").read_bytes()) for i in (0, 1)]
+    assert allow == f"engine.allowed_nodes=[{','.join(prints)}]"
+
+
+def test_fingerprints_are_those_ssh_keygen_prints(tmp_path):
+    bundle = write_bundle(tmp_path, nodes=1)
+    public = Path(f"{bundle.node_keys[0]}.pub")
+    mine = fingerprint(public.read_bytes())
+    assert FINGERPRINT.fullmatch(mine) and is_allowlist([mine, 6703112])
+    # The SuperLink stores the key as PEM (what the ServerApp sees in NodeInfo.public_key).
+    assert fingerprint(try_load_public_key(public)) == mine
+    if shutil.which("ssh-keygen"):
+        shown = subprocess.run(
+            ["ssh-keygen", "-lf", str(public)], capture_output=True, text=True, check=True
+        )
+        assert shown.stdout.split()[1] == mine
+    for bad in ([], [True], [-1], [2**64], ["SHA256:short"], "SHA256:x", None):
+        assert not is_allowlist(bad), bad
 
 
 # ----- a real secure federation ---------------------------------------------------------------
@@ -116,22 +134,9 @@ class SecureFederation(Federation):
     def certs(self) -> Path:
         return self.root / "certs"
 
-    def flwr(self, *args: str, ca: bool = True) -> subprocess.CompletedProcess[str]:
-        """The `flwr` CLI against this SuperLink (with or without trusting its CA)."""
-        home = self.root / ("cli" if ca else "cli-no-ca")
-        home.mkdir(exist_ok=True)
-        conn = {"address": f"127.0.0.1:{self.port}"}
-        if ca:
-            conn["root-certificates"] = str(self.certs / "ca.pem")
-        config = {"superlink": {"default": "secure", "secure": conn}}
-        (home / "config.toml").write_text(tomli_w.dumps(config))
-        return subprocess.run(
-            [str(BIN / "flwr"), *args, "secure"],
-            env={**fl_env(), **OFFLINE, "FLWR_HOME": str(home)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The `flwr` CLI against this SuperLink's Control API, trusting its CA."""
+        return self.flwr(*args, ca=self.certs / "ca.pem")
 
 
 def _json(proc: subprocess.CompletedProcess[str]) -> dict:
@@ -149,7 +154,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFederatio
             *["--ssl-ca-certfile", str(bundle.ca_cert), "--enable-supernode-auth"],
         )
         for i in (0, 1):
-            done = fed.flwr(
+            done = fed.admin(
                 "supernode", "register", f"{bundle.node_keys[i]}.pub", "--format", "json"
             )
             assert done.returncode == 0, done.stdout + done.stderr
@@ -187,7 +192,7 @@ def test_unauthenticated_or_untrusting_nodes_are_refused(secure, name):
     assert intruder.wait(timeout=120) != 0
     log = (secure.root / f"{name}.log").read_text()
     assert REFUSED in log and INTRUDERS[name][1] in log, log[-2000:]
-    listed = secure.flwr("supernode", "ls", "--format", "json")
+    listed = secure.admin("supernode", "ls", "--format", "json")
     assert listed.returncode == 0, listed.stdout + listed.stderr
     nodes = {int(n["node-id"]): n["status"] for n in _json(listed)["nodes"]}
     assert set(nodes) == set(secure.registered)  # nobody else ever got a node id
@@ -195,8 +200,8 @@ def test_unauthenticated_or_untrusting_nodes_are_refused(secure, name):
 
 @pytest.mark.integration
 def test_the_control_api_needs_the_ca_too(secure):
-    trusted = secure.flwr("supernode", "ls", "--format", "json")
+    trusted = secure.admin("supernode", "ls", "--format", "json")
     assert _json(trusted)["success"] is True
-    refused = _json(secure.flwr("supernode", "ls", "--format", "json", ca=False))
+    refused = _json(secure.flwr("supernode", "ls", "--format", "json", ca=None, name="cli-no-ca"))
     assert refused["success"] is False  # (flwr exits 0 here; the JSON says it failed)
     assert "Connection to the SuperLink is unavailable" in refused["error-message"]
