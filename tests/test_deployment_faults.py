@@ -24,6 +24,7 @@ def federation(tmp_path):
         yield fed
 
 
+@pytest.mark.slow  # about 90 s on 2 cores: it must wait out a 45 s deadline per round
 @pytest.mark.integration
 def test_killed_supernode_does_not_stop_the_run(federation, tmp_path):
     run_dir = tmp_path / "run"

@@ -111,6 +111,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Federation,
         _remove_group(group)
 
 
+@pytest.mark.slow  # about 80 s: a full deployment at half a core
 @pytest.mark.integration
 def test_a_supernode_at_half_a_core_and_1_5_gib_completes_rounds(edge, tmp_path):
     fed, group = edge

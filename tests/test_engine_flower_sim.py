@@ -48,6 +48,7 @@ def test_flower_sim_trains_and_matches_local_engine(tmp_path):
         assert [r[key] for r in sim] == [r[key] for r in local], key
 
 
+@pytest.mark.slow  # about 15 s of Ray start-up; the one-line refusal is tested on the local engine
 def test_flower_sim_fails_loudly_when_the_server_app_raises(tmp_path):
     # resume=true without a checkpoint: the ServerApp raises inside Flower's simulation.
     proc = _sim(tmp_path, "num_clients=2", "clients_per_round=2", "rounds=1", "resume=true")

@@ -161,6 +161,7 @@ done
 """
 
 
+@pytest.mark.slow  # about 25 s: Flower starts its own simulation SuperLink
 @pytest.mark.integration
 def test_flwr_run_on_flowers_default_federation_fails_fast(tmp_path):
     # `flwr run .` with no connection configured: Flower writes ~/.flwr/config.toml with
@@ -194,6 +195,7 @@ def _one_machine_trial() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow  # about 50 s: the whole DEPLOYMENT.md §8 trial
 @pytest.mark.integration
 def test_the_one_machine_trial_in_the_docs_works_verbatim(tmp_path):
     require_netns()

@@ -172,6 +172,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFederatio
         fed.stop()
 
 
+@pytest.mark.slow  # about 60 s: a full TLS deployment run
 @pytest.mark.integration
 def test_registered_tls_nodes_complete_rounds_like_the_local_engine(secure, tmp_path):
     tls = ["engine.insecure=false", f"engine.root_certificates={secure.certs / 'ca.pem'}"]
