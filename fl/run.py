@@ -22,22 +22,13 @@ import fl  # noqa: F401  (sets the offline environment before Flower is imported
 from fl.config import CONF_DIR, ConfigError, preflight, to_run_config, validate
 from fl.engines import run_engine
 from fl.errors import RunError
-from fl.tracking import holds_run
+from fl.tracking import refuse_existing_run
 
 __all__ = ["latest_run", "main"]
 
 log = logging.getLogger(__name__)
 OUTPUTS = Path("outputs")  # where `hydra.run.dir` points by default (conf/config.yaml)
 OVERRIDES = Path(".hydra") / "overrides.yaml"  # the command line of a run, for labels and resume
-
-
-def _check_output_dir(cfg: DictConfig, out_dir: Path) -> None:
-    """Refuse to start a fresh run in a directory that holds another run's outputs."""
-    if not cfg.resume and not cfg.get("overwrite") and holds_run(out_dir):
-        raise RunError(
-            f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
-            "to replace it, or choose another hydra.run.dir"
-        )
 
 
 def _save_overrides(out_dir: Path, *, resume: bool) -> None:
@@ -55,7 +46,7 @@ def _main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         preflight(cfg)  # the user's output_dir; device, data files and partition sizes
-        _check_output_dir(cfg, out_dir)
+        refuse_existing_run(out_dir, resume=bool(cfg.resume), overwrite=bool(cfg.get("overwrite")))
         _save_overrides(out_dir, resume=bool(cfg.resume))
         with open_dict(cfg):
             cfg.output_dir = str(out_dir)

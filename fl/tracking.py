@@ -16,8 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from fl.config import plain
+from fl.errors import RunError
 
-__all__ = ["RUN_FILES", "RunLog", "clear_run", "holds_run", "summarize"]
+__all__ = ["RUN_FILES", "RunLog", "clear_run", "holds_run", "refuse_existing_run", "summarize"]
 
 # What a run leaves in its directory; any of them means the directory holds a run.
 RUN_FILES = (
@@ -34,6 +35,15 @@ RUN_FILES = (
 def holds_run(out_dir: Path) -> bool:
     """Whether `out_dir` holds outputs of a run (started, killed or finished)."""
     return any((out_dir / name).exists() for name in RUN_FILES)
+
+
+def refuse_existing_run(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run in a directory that holds another run's outputs."""
+    if not resume and not overwrite and holds_run(out_dir):
+        raise RunError(
+            f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
+            "to replace it, or choose another hydra.run.dir"
+        )
 
 
 def clear_run(out_dir: Path) -> None:

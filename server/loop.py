@@ -28,7 +28,7 @@ from fl.registry import get_strategy
 from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
 from fl.task import Task, get_task
-from fl.tracking import RunLog, clear_run, holds_run
+from fl.tracking import RunLog, clear_run, refuse_existing_run
 from privacy.central import wrap_central_dp
 from privacy.rounds import RoundPrivacy
 from server.checkpoint import (
@@ -117,10 +117,9 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     saved = load_checkpoint(checkpoint_path) if cfg.resume else None
     if saved is not None:  # before anything is built or written
         check_resumable(saved["config"], plain(cfg))
-    elif holds_run(out_dir):
-        if not cfg.get("overwrite"):
-            raise RunError(f"{out_dir} already holds a run; pass resume=true or overwrite=true")
-        clear_run(out_dir)
+    else:
+        refuse_existing_run(out_dir, resume=False, overwrite=bool(cfg.get("overwrite")))
+        clear_run(out_dir)  # what overwrite=true allowed to replace
     task = get_task(cfg)
     strategy = make_strategy(cfg)
     partitions = discover_partitions(grid, cfg.num_clients)
@@ -235,7 +234,7 @@ def _deadline_s(cfg: DictConfig, task: Task, profiles: list[DeviceProfile]) -> f
     if cfg.round_timeout_s is not None:
         return float(cfg.round_timeout_s)
     largest = max(len(p) for p in task.partitions)
-    samples = cfg.local_steps * cfg.batch_size or cfg.local_epochs * largest
+    samples = _samples(cfg.local_steps, cfg.batch_size, cfg.local_epochs, largest)
     model_bytes = 4 * task.layout.numel  # float32 on the wire
     slowest = max(p.seconds(samples, model_bytes, model_bytes) for p in profiles)
     return DEADLINE_FACTOR * slowest
@@ -258,11 +257,17 @@ def _asked_samples(
     those of the partition the server knows the node holds.
     """
     config = message.content.config_records["config"]
-    steps = int(cast(int, config.get("local-steps", cfg.local_steps)))
-    if steps > 0:
-        return steps * int(cast(int, config.get("batch-size", cfg.batch_size)))
-    epochs = int(cast(int, config.get("local-epochs", cfg.local_epochs)))
-    return epochs * len(task.partitions[partitions[message.metadata.dst_node_id]])
+    return _samples(
+        int(cast(int, config.get("local-steps", cfg.local_steps))),
+        int(cast(int, config.get("batch-size", cfg.batch_size))),
+        int(cast(int, config.get("local-epochs", cfg.local_epochs))),
+        len(task.partitions[partitions[message.metadata.dst_node_id]]),
+    )
+
+
+def _samples(steps: int, batch_size: int, epochs: int, examples: int) -> int:
+    """Samples of one round of local work: steps x batch size, or epochs x examples."""
+    return steps * batch_size if steps > 0 else epochs * examples
 
 
 def _work(
