@@ -16,9 +16,10 @@ from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
 
 from clients.trainer import TrainSettings, train_locally
-from fl.codec import decode
+from fl.codec import decode, payload_traffic
 from fl.config import from_run_config, plain, run_config_key
 from fl.faults import fault_mod
+from fl.hooks import ClientTime
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
@@ -95,6 +96,7 @@ def train(msg: Message, context: Context) -> Message:
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
     config = msg.content.config_records["config"]
+    hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])

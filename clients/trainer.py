@@ -112,6 +112,7 @@ def train_locally(
                 hooks.before_step(model)
             optimizer.step()
             steps, samples = step + 1, samples + len(batch)
+            hooks.time.samples = samples
             loss_sum.add_(loss.detach(), alpha=len(batch))
             if not hooks.after_step(steps, model, loss.detach()):
                 break

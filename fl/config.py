@@ -217,6 +217,40 @@ def _validate_faults_and_system(cfg: DictConfig) -> None:
     for key in ("speed_spread", "bandwidth_spread"):
         _number(cfg, f"system.{key}", 1)
     _number(cfg, "system.availability", 0, 1, strict=True)
+    _number(cfg, "system.server_bandwidth_mbps", 0, strict=True, null=True)
+    _number(cfg, "system.aggregation_s_per_update", 0)
+
+
+def _validate_loop(cfg: DictConfig) -> None:
+    """The loop kind and its options, and whether the strategy takes replies that land late."""
+    from fl.loops import LATE_POLICIES, LOOP_KINDS
+    from fl.registry import get_strategy
+
+    _one_of(cfg, "loop.kind", LOOP_KINDS)
+    _one_of(cfg, "loop.late", LATE_POLICIES)
+    _number(cfg, "loop.deadline_s", 0, strict=True, null=True)
+    _number(cfg, "loop.first_k_fraction", 0, 1, strict=True, null=True)
+    _number(cfg, "loop.staleness_exponent", 0)
+    _integer(cfg, "loop.groups", 1, cfg.num_clients)
+    if cfg.loop.buffer_k is not None:
+        _integer(cfg, "loop.buffer_k", 1, cfg.clients_per_round)
+    kind, late = cfg.loop.kind, cfg.loop.late
+    stale = kind != "sync" or late == "carry"
+    server = get_strategy(str(cfg.strategy.name)).server
+    _require(
+        not stale or getattr(server, "stale_replies_ok", True),
+        "loop",
+        f"{kind} (late={late})",
+        f"strategy={cfg.strategy.name} aggregates only replies to the current round's state; "
+        "use loop=sync with loop.late=drop",
+    )
+    central = OmegaConf.select(cfg, "privacy.server_dp.mode", default="none") != "none"
+    _require(
+        not stale or not central,
+        "loop",
+        f"{kind} (late={late})",
+        "central DP clips each update against the current model: replies must not land late",
+    )
 
 
 def _validate_robustness(cfg: DictConfig) -> None:
@@ -453,6 +487,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "logger.name", LOGGERS)
     _validate_privacy(cfg)
     _validate_strategy(cfg)
+    _validate_loop(cfg)
     _validate_privacy_with_strategy(cfg)
 
 

@@ -27,12 +27,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fl.clock import ClientWork, DeviceProfile, sequential_seconds
 from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
 from fl.records import Layout, vector_to_arrays, wire_dtype
 from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
+from fl.sync import Synced, SyncServer
 
-__all__ = ["ClientUpdate", "RoundStats", "ServerStrategy"]
+__all__ = ["ClientUpdate", "ReplyInfo", "RoundStats", "ServerStrategy", "UploadParts"]
+
+# (fraction of the local samples done before a part of the reply may leave, its bytes)
+UploadParts = tuple[tuple[float, int], ...]
 
 log = logging.getLogger(__name__)
 # Default reply size bound: any of our codecs (dense, masked + bitmap, values + indices,
@@ -40,25 +43,42 @@ log = logging.getLogger(__name__)
 PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
 
 
+@dataclass(frozen=True)
+class ReplyInfo:
+    """What the loop knows of a reply: when it was asked for and when it arrived."""
+
+    sent_round: int
+    staleness: int  # rounds the global model moved on between sending and this round
+    arrived_s: float  # virtual seconds since training began
+    base: torch.Tensor  # the global vector the instruction carried
+
+
 @dataclass
 class ClientUpdate:
-    """One accepted reply: the client's full model vector and what it reported."""
+    """One accepted reply: the client's full model vector and what it reported.
+
+    A stale reply's vector is already rebased onto the current global model, its step
+    scaled by the strategy's staleness weight (`ServerStrategy.rebase`).
+    """
 
     node_id: int
     vector: torch.Tensor
     num_examples: int
     metrics: dict[str, Any]
+    staleness: int = 0
+    arrived_s: float = 0.0
 
 
 @dataclass
 class RoundStats:
     """What happened to the replies of the last round."""
 
-    sent: list[int] = field(default_factory=list)  # node ids asked to train
+    sent: list[int] = field(default_factory=list)  # node ids asked to train this round
+    delivered: list[int] = field(default_factory=list)  # node ids whose replies landed
     accepted: int = 0
     failed: int = 0  # error replies (crashed ClientApps)
     rejected: int = 0  # replies that failed validation
-    missing: list[int] = field(default_factory=list)  # node ids that never replied
+    missing: list[int] = field(default_factory=list)  # given up on: no reply, dropped, too late
     updates: list[ClientUpdate] = field(default_factory=list)  # the accepted replies
     reasons: list[str] = field(default_factory=list)
     examples_clipped: int = 0  # accepted replies whose num-examples claim was cut to the bound
@@ -76,6 +96,10 @@ class ServerStrategy(FedAvg):
     # assumes the run's own step count every round.
     central_dp_safe: ClassVar[bool] = True
     dpsgd_safe: ClassVar[bool] = True
+    # Whether replies may land rounds after they were asked for (semi_async, groups, and
+    # sync with late=carry): a strategy whose reply format depends on the round's state
+    # (APF's mask, PAS's periods) must aggregate only replies to the current round.
+    stale_replies_ok: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -104,6 +128,39 @@ class ServerStrategy(FedAvg):
         self.global_vector = torch.empty(0)
         self.stats = RoundStats()
         self.reachable: Callable[[int, list[int]], list[int]] = lambda rnd, nodes: nodes
+        self.wanted: int | None = None  # nodes to select this round (loop's choice), else k
+        self.reply_info: dict[int, ReplyInfo] = {}  # set by the loop before aggregation
+        self.extra_config: Callable[[int], dict[str, Any]] = lambda node: {}  # loop's keys
+        self.staleness_exponent = 0.5  # a reply s rounds stale moves the model (1 + s)^-a
+        specs = self.sync_specs()
+        self.sync = SyncServer(specs) if specs else None
+
+    def attach(
+        self,
+        *,
+        reachable: Callable[[int, list[int]], list[int]],
+        extra_config: Callable[[int], dict[str, Any]],
+        staleness_exponent: float,
+    ) -> None:
+        """The round loop's view (methods, so that they reach the strategy inside a
+        wrapper): the nodes it may ask, the keys it adds to each node's instruction
+        (device profile, deadline), and the staleness weight's exponent."""
+        self.reachable = reachable
+        self.extra_config = extra_config
+        self.staleness_exponent = staleness_exponent
+
+    def plan(self, wanted: int | None) -> None:
+        """How many nodes the next `configure_train` selects (None: clients_per_round)."""
+        self.wanted = wanted
+
+    def expect(self, reply_info: dict[int, ReplyInfo]) -> None:
+        """Arrival, staleness and base of the replies the next aggregation receives."""
+        self.reply_info = reply_info
+
+    def base_of(self, node: int) -> torch.Tensor:
+        """The global vector the reply of `node` was computed from."""
+        info = self.reply_info.get(node)
+        return info.base if info is not None else self.global_vector
 
     def bound_examples(self, bounds: ExampleBounds) -> None:
         """Bound each node's claimed `num-examples` by what the server knows (the round loop
@@ -118,7 +175,7 @@ class ServerStrategy(FedAvg):
         The loop passes candidates in partition order, so the same partitions are drawn on
         every engine, whatever node ids the engine assigns.
         """
-        k = min(self.clients_per_round, len(candidates))
+        k = min(self.clients_per_round if self.wanted is None else self.wanted, len(candidates))
         rng = np.random.default_rng([self.seed, server_round, 0x5E1])
         picked = rng.choice(len(candidates), size=k, replace=False)
         return [candidates[i] for i in sorted(picked)]
@@ -126,13 +183,26 @@ class ServerStrategy(FedAvg):
     def on_round_start(self, server_round: int) -> None:
         """Called once per round, after the global model is known, before any message."""
 
+    def sync_specs(self) -> tuple[Synced, ...]:
+        """Tensors this strategy's clients keep copies of (`fl.sync`); none by default."""
+        return ()
+
+    def synced(self) -> dict[str, torch.Tensor]:
+        """This round's values of the tensors named by `sync_specs`."""
+        return {}
+
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         """Algorithm keys added to one node's ConfigRecord."""
         return {}
 
     def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
-        """Arrays (and codec record) sent to one node; dense global model by default."""
-        return self._dense_payload
+        """Arrays (and codec record) sent to one node: the changes since the version it
+        holds when the strategy syncs state (`fl.sync`), else the dense global model."""
+        if self.sync is None:
+            return self._dense_payload
+        assert self.layout is not None
+        records, _ = self.sync.records(node_id, self.layout)
+        return records if "arrays" in records else {**self._dense_payload, **records}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -143,13 +213,20 @@ class ServerStrategy(FedAvg):
         self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
         self._dense_payload = encode_dense(self.global_vector, self.layout)
         self.on_round_start(server_round)
+        if self.sync is not None:
+            self.sync.publish(server_round, self.synced())
         nodes = sorted(grid.get_node_ids())
         chosen = self.select(server_round, self.reachable(server_round, nodes))
         self.stats = RoundStats(sent=list(chosen))
         messages = []
         for node_id in chosen:
             node_config = ConfigRecord(
-                {**config, "server-round": server_round, **self.train_config(server_round, node_id)}
+                {
+                    **config,
+                    "server-round": server_round,
+                    **self.extra_config(node_id),
+                    **self.train_config(server_round, node_id),
+                }
             )
             content = RecordDict(
                 {**self.train_payload(server_round, node_id), "config": node_config}
@@ -160,10 +237,10 @@ class ServerStrategy(FedAvg):
         return messages
 
     # ----- replies ----------------------------------------------------------------------
-    def decode_reply(self, reply: Message) -> torch.Tensor:
-        """The full model vector a reply stands for."""
+    def decode_reply(self, reply: Message, base: torch.Tensor) -> torch.Tensor:
+        """The full model vector a reply stands for (`base`: the model it was sent)."""
         assert self.layout is not None
-        return decode(reply.content, self.layout, base=self.global_vector)
+        return decode(reply.content, self.layout, base=base)
 
     def payload_limit(self) -> float:
         """Largest reply, in bytes, that is decoded at all."""
@@ -197,10 +274,12 @@ class ServerStrategy(FedAvg):
         samples = metrics.get("samples", 0)  # the virtual clock charges compute by it
         if not isinstance(samples, int) or samples < 0:
             raise ValueError(f"'samples' must be a non-negative int, got {samples!r}")
-        vector = self.decode_reply(reply)
+        info = self.reply_info.get(node)
+        base = self.base_of(node)
+        vector = self.decode_reply(reply, base)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("update has NaN or Inf values")
-        delta = vector - self.global_vector
+        delta = vector - base
         norm = float(torch.linalg.vector_norm(delta))
         if norm > self.max_update_norm:
             if self.update_norm_policy == "reject":
@@ -209,7 +288,8 @@ class ServerStrategy(FedAvg):
                 )
             log.warning("node %d: update norm %.3g clipped to %g", node, norm, self.max_update_norm)
             self.stats.norm_clipped += 1
-            vector = self.global_vector + delta * (self.max_update_norm / norm)
+            delta = delta * (self.max_update_norm / norm)
+            vector = base + delta
         bound = self.example_bounds.limit(node) if self.example_bounds else None
         if bound is not None and num_examples > bound:  # clipped, not rejected: see docs
             log.warning(
@@ -221,17 +301,31 @@ class ServerStrategy(FedAvg):
             )
             self.stats.examples_clipped += 1
             num_examples = bound
-        return ClientUpdate(node, vector, num_examples, metrics)
+        if info is None:
+            return ClientUpdate(node, vector, num_examples, metrics)
+        if info.staleness:
+            vector = self.rebase(delta, info.staleness)
+        return ClientUpdate(node, vector, num_examples, metrics, info.staleness, info.arrived_s)
+
+    def rebase(self, delta: torch.Tensor, staleness: int) -> torch.Tensor:
+        """A stale reply as a model on today's global: its step scaled by (1 + s)^-a
+        (FedAsync's polynomial staleness weight; `loop.staleness_exponent` sets a)."""
+        return self.global_vector + delta * (1 + staleness) ** -self.staleness_exponent
 
     def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:
-        """Replies that decode and validate; the rest are logged and counted, never used."""
-        updates, replied = [], set()
+        """Replies that decode and validate; the rest are logged and counted, never used.
+
+        The sync protocol learns which version each client now holds: an accepted reply
+        confirms it, a failed or rejected one (and a node given up on) is resynced.
+        """
+        updates = []
         for reply in replies:
-            replied.add(reply.metadata.src_node_id)
             node = reply.metadata.src_node_id
+            self.stats.delivered.append(node)
             if reply.has_error():
                 self.stats.failed += 1
                 log.warning("node %d failed: %s", node, reply.error.reason)
+                self._forget(node)
                 continue
             try:
                 updates.append(self.check_reply(reply))
@@ -239,11 +333,26 @@ class ServerStrategy(FedAvg):
                 self.stats.rejected += 1
                 self.stats.reasons.append(f"node {node}: {err}")
                 log.warning("rejected reply of node %d: %s", node, err)
+                self._forget(node)
+                continue
+            if self.sync is not None:
+                info = self.reply_info.get(node)
+                sent = info.sent_round if info is not None else self.sync.current
+                self.sync.confirm(node, sent)
         self._normalise_unbounded(updates)
         self.stats.accepted = len(updates)
         self.stats.updates = updates
-        self.stats.missing = [node for node in self.stats.sent if node not in replied]
         return updates
+
+    def give_up(self, nodes: Iterable[int]) -> None:
+        """The loop stopped waiting for these nodes (no reply, dropped, too late)."""
+        for node in nodes:
+            self.stats.missing.append(node)
+            self._forget(node)
+
+    def _forget(self, node: int) -> None:
+        if self.sync is not None:
+            self.sync.forget(node)
 
     def _normalise_unbounded(self, updates: list[ClientUpdate]) -> None:
         """With bounds in force, a node the server knows no bound for weighs at most the
@@ -298,9 +407,10 @@ class ServerStrategy(FedAvg):
         metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
         return vector_to_arrays(self.global_vector, self.layout), metrics
 
-    def client_seconds(self, profile: DeviceProfile, work: ClientWork) -> float:
-        """Virtual seconds one client's round takes; override to credit overlap."""
-        return sequential_seconds(profile, work)
+    def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
+        """How a reply leaves the client: all at the end of training by default; a
+        strategy that sends parts early (PAS's period groups) says when each may go."""
+        return ((1.0, up_bytes),)
 
     # ----- diagnostics and resume -------------------------------------------------------
     def diagnostics(self) -> dict[str, Any]:
@@ -317,9 +427,14 @@ class ServerStrategy(FedAvg):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue after a restart."""
-        return {name: getattr(self, name) for name in self.state_attributes}
+        state = {name: getattr(self, name) for name in self.state_attributes}
+        if self.sync is not None:
+            state["sync"] = self.sync.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         for name in self.state_attributes:
             setattr(self, name, state[name])
+        if self.sync is not None:
+            self.sync.load_state_dict(state["sync"])

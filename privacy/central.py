@@ -29,7 +29,7 @@ with the legacy NumPyClient + workflow stack (docs/PRIVACY.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -100,15 +100,6 @@ class CentralDP:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    @property
-    def reachable(self) -> Callable[[int, list[int]], list[int]]:
-        """The inner strategy's filter of reachable nodes (set by the round loop)."""
-        return self.inner.reachable
-
-    @reachable.setter
-    def reachable(self, value: Callable[[int, list[int]], list[int]]) -> None:
-        self.inner.reachable = value
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -140,7 +131,8 @@ class CentralDP:
             if not reply.has_content():
                 continue
             try:
-                vector = self.inner.decode_reply(reply)
+                node = reply.metadata.src_node_id
+                vector = self.inner.decode_reply(reply, self.inner.base_of(node))
             except Exception:  # malformed: the inner strategy rejects it with the reason
                 continue
             originals.append((reply, dict(reply.content)))

@@ -19,11 +19,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fl.clock import ClientWork, DeviceProfile, VirtualClock, build_profiles
+from fl.clock import VirtualClock, clock_from_config
 from fl.codec import Traffic, payload_traffic
 from fl.config import plain
 from fl.console import RoundReporter
 from fl.errors import RunError
+from fl.loops import LoopSettings, RoundDriver, loop_settings
 from fl.registry import get_strategy
 from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -124,16 +125,23 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     strategy = make_strategy(cfg)
     partitions = discover_partitions(grid, cfg.num_clients)
     strategy.bound_examples(example_bounds(cfg, task, partitions))
-    profiles = build_profiles(cfg.num_clients, seed=cfg.seed, **_system_options(cfg))
-    clock = VirtualClock(profiles, cfg.seed)
-    strategy.reachable = lambda rnd, nodes: _reachable(clock, partitions, rnd, nodes)
-    deadline_s = _deadline_s(cfg, task, profiles)
+    system = _system_options(cfg)
+    aggregation_s = float(system.pop("aggregation_s_per_update", 0.0))
+    clock = clock_from_config(system, cfg.num_clients, cfg.seed)
+    settings = loop_settings(cfg)
+    deadline_s = _deadline_s(cfg, task, clock)
+    driver = RoundDriver(settings, clock, partitions, deadline_s)
+    strategy.attach(
+        reachable=lambda rnd, nodes: driver.idle(_reachable(clock, partitions, rnd, nodes)),
+        extra_config=lambda node: _time_view(clock, partitions[node], deadline_s),
+        staleness_exponent=settings.staleness_exponent,
+    )
 
     progress, state = Progress(), task.new_model().state_dict()
     rows: list[dict[str, Any]] = []
     if saved is not None:
         progress, state, rows = _restore(saved, strategy, grid)
-        clock.now = progress.virtual_time_s
+        driver.load_state_dict(saved["loop"])
     arrays = ArrayRecord(state)
     privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
     privacy.load_state_dict(progress.extra.get("privacy", {}))
@@ -151,7 +159,11 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if progress.virtual_time_s >= budget:
             log.info("virtual-time budget of %s s reached after round %d", budget, progress.round)
             break
-        started = time.perf_counter()
+        started, started_s = time.perf_counter(), clock.now
+        reachable = len(
+            driver.idle(_reachable(clock, partitions, server_round, sorted(partitions)))
+        )
+        strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
         config = ConfigRecord(privacy.train_config())
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
         chosen = [partitions[m.metadata.dst_node_id] for m in messages]
@@ -162,20 +174,19 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
         asked = {m.metadata.dst_node_id: _asked_samples(m, cfg, task, partitions) for m in messages}
         wait_s = cfg.round_timeout_s or REPLY_WAIT_S
-        replies = list(grid.send_and_receive(messages, timeout=wait_s))
-        replies.sort(key=lambda r: partitions.get(r.metadata.src_node_id, -1))  # engine-independent
+        replies = list(grid.send_and_receive(messages, timeout=wait_s)) if messages else []
+        missing = driver.dispatch(
+            server_round, strategy.global_vector, replies, down, asked, strategy.upload_parts
+        )
+        landed = driver.close(server_round, started_s, len(messages), missing)
+        strategy.expect(landed.info)
         # bytes as received (also of replies rejected below), never as a client declares them
-        up = {
-            r.metadata.src_node_id: payload_traffic(r.content) for r in replies if r.has_content()
-        }
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        new_arrays, _ = strategy.aggregate_train(server_round, landed.replies)
+        strategy.give_up(landed.given_up)
         arrays = new_arrays if new_arrays is not None else arrays
         accuracy, loss = evaluate_global(task, arrays)
+        clock.wait(aggregation_s * strategy.stats.accepted)  # the server's own work
 
-        # Time and privacy read only replies the strategy accepted: the rest is untrusted.
-        work = [_work(u, partitions, down, up, asked) for u in strategy.stats.updates]
-        waited = deadline_s if strategy.stats.missing else 0.0
-        round_time = clock.advance(work, strategy.client_seconds, at_least=waited)
         progress.round = server_round
         progress.virtual_time_s = clock.now
         progress.wall_time_s += time.perf_counter() - started
@@ -183,12 +194,13 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "round": server_round,
             "accuracy": accuracy,
             "loss": loss,
-            **progress.add_traffic(up.values(), down.values()),
+            **progress.add_traffic(landed.up, down.values()),
             "clients": len(messages),
             "replies": strategy.stats.accepted,
-            "round_time_s": round_time,
+            "round_time_s": clock.now - started_s,
             "virtual_time_s": progress.virtual_time_s,
             "wall_time_s": progress.wall_time_s,
+            **_staleness(strategy.stats.updates, settings),
             **strategy.diagnostics(),
             **privacy.observe(strategy.stats.updates, partitions),
         }
@@ -206,6 +218,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "arrays": arrays.to_torch_state_dict(),
                     "strategy": strategy.state_dict(),
                     "nodes": grid.state_dict() if hasattr(grid, "state_dict") else None,
+                    "loop": driver.state_dict(),
                     "rng": rng_state(),
                 },
             )
@@ -218,26 +231,52 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def _staleness(updates: list[ClientUpdate], settings: LoopSettings) -> dict[str, Any]:
+    """Staleness of the aggregated replies (only where replies may land late)."""
+    if not settings.stale:
+        return {}
+    values = [u.staleness for u in updates]
+    return {
+        "staleness_mean": sum(values) / len(values) if values else 0.0,
+        "staleness_max": max(values, default=0),
+    }
+
+
+def _time_view(clock: VirtualClock, partition: int, deadline_s: float) -> dict[str, Any]:
+    """What a client's hooks may know of time: its device and the round's deadline."""
+    profile = clock.profiles[partition]
+    return {
+        "device-speed": clock.speed(partition, clock.now),
+        "device-up-bps": profile.up_bytes_per_s,
+        "device-down-bps": profile.down_bytes_per_s,
+        "deadline-s": deadline_s,
+        "sent-at-s": clock.now,
+    }
+
+
 def _system_options(cfg: DictConfig) -> dict[str, Any]:
     options = plain(cfg.system)
     options.pop("name", None)
     return options
 
 
-def _deadline_s(cfg: DictConfig, task: Task, profiles: list[DeviceProfile]) -> float:
+def _deadline_s(cfg: DictConfig, task: Task, clock: VirtualClock) -> float:
     """Virtual seconds the server waits for a round's replies.
 
-    `round_timeout_s` when set; otherwise DEADLINE_FACTOR times the round of the slowest
-    device doing the configured work on the largest partition with a dense model both
-    ways (our choice of default: the papers we follow do not fix one).
+    `loop.deadline_s`, else `round_timeout_s`, else DEADLINE_FACTOR times the round of the
+    slowest device doing the configured work on the largest partition with a dense model
+    both ways, plus every selected client's transfers queued on the server link (our
+    choice of default: the papers we follow do not fix one).
     """
-    if cfg.round_timeout_s is not None:
-        return float(cfg.round_timeout_s)
+    for value in (cfg.loop.get("deadline_s"), cfg.round_timeout_s):
+        if value is not None:
+            return float(value)
     largest = max(len(p) for p in task.partitions)
     samples = _samples(cfg.local_steps, cfg.batch_size, cfg.local_epochs, largest)
     model_bytes = 4 * task.layout.numel  # float32 on the wire
-    slowest = max(p.seconds(samples, model_bytes, model_bytes) for p in profiles)
-    return DEADLINE_FACTOR * slowest
+    slowest = max(p.seconds(samples, model_bytes, model_bytes) for p in clock.profiles)
+    queued = 2 * cfg.clients_per_round * model_bytes / clock.server_bytes_per_s
+    return DEADLINE_FACTOR * (slowest + queued)
 
 
 def _reachable(
@@ -268,21 +307,3 @@ def _asked_samples(
 def _samples(steps: int, batch_size: int, epochs: int, examples: int) -> int:
     """Samples of one round of local work: steps x batch size, or epochs x examples."""
     return steps * batch_size if steps > 0 else epochs * examples
-
-
-def _work(
-    update: ClientUpdate,
-    partitions: dict[int, int],
-    down: dict[int, Traffic],
-    up: dict[int, Traffic],
-    asked: dict[int, int],
-) -> ClientWork:
-    """A reply's work for the clock: fewer samples than asked (early stop), never more."""
-    node = update.node_id
-    return ClientWork(
-        partition=partitions[node],
-        samples=min(int(update.metrics.get("samples", 0)), asked.get(node, 0)),
-        down_bytes=down[node].total if node in down else 0,
-        up_bytes=up[node].total,
-        metrics=update.metrics,
-    )

@@ -7,39 +7,36 @@ period that grows by one check interval each time it is found stable again and i
 halved when it is not (AIMD). Spec: shared/specs/algorithms_a.md §2.
 
 Wire protocol (ours; the paper lets each client derive the mask itself): the server
-computes the mask once per check from the synchronised model. A client that replied
-last round gets only the values that round trained (its own copy covers the rest)
-plus the new mask when it changed; any other client (late joiner, returning after a
-gap or a failure) gets the dense model and the mask. Replies carry the active scalars.
+computes the mask once per check from the synchronised model, and model and mask travel
+through the shared sync protocol (`fl.sync`): a client gets the changes since the round
+it last saw, which for a client that replied last round are exactly the values that
+round trained (no positions: its mask says where) plus the mask's flips. Replies carry
+the active scalars. The paper trains with full participation; with partial
+participation, `lazy_frozen=true` (our proposal) sends only the scalars active now, so a
+returning client may hold stale values of frozen scalars (they are not trained or sent).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.codec import (
-    bitmap,
-    decode,
-    encode_masked,
-    unpack_bitmap,
-    with_control_bitmap,
-)
+from fl.codec import decode, encode_masked
 from fl.diagnosis import PerturbationEMA
 from fl.hooks import ClientHooks, Reply
 from fl.masking import Rollback
-from fl.records import Layout, array_to_numpy, numpy_to_array
+from fl.records import Layout
 from fl.registry import register
 from fl.seeding import derive_seed
 from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
+from fl.sync import SyncClient, Synced
 
 VARIANTS = ("apf", "apf_sharp", "apf_plus")
-MASK, STATE, SYNCED = "apf-mask", "apf", "apf-synced"
 
 
 @dataclass
@@ -55,6 +52,7 @@ class APFParams:
     plus_a1: float = 1 / 2000  # APF++: freezing probability a1 * round, capped below
     plus_a2: float = 1 / 20  # APF++: length uniform in [1, 1 + a2 * round] intervals
     plus_max_probability: float = 0.5  # cap from the ICDCS draft (our choice for APF++)
+    lazy_frozen: bool = False  # partial participation: send only active scalars (ours)
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -134,55 +132,47 @@ def _freeze_at_random(state: FreezingState, params: APFParams, generator: torch.
     state.active = state.until == state.checks
 
 
+def synced_state(params: APFParams) -> tuple[Synced, ...]:
+    """Model and mask, kept in step on every client (`fl.sync`); the mask starts all True."""
+    return (
+        Synced("model", payload=True, within="mask", needed="mask" if params.lazy_frozen else None),
+        Synced("mask", dtype=torch.bool, initial=lambda n: torch.ones(n, dtype=torch.bool)),
+    )
+
+
 class APFServer(ServerStrategy):
     """FedAvg over active scalars, with the freezing controller run after aggregation."""
 
     central_dp_safe = False  # clients keep frozen scalars the server never resends
+    stale_replies_ok = False  # a reply holds the scalars active in the round it answers
 
     params: APFParams
-    state_attributes = ("freezing", "trained_mask", "replied")
+    state_attributes = ("freezing",)
 
     def __init__(self, params: APFParams, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
         self.freezing: FreezingState | None = None
-        self.trained_mask = torch.empty(0, dtype=torch.bool)  # mask of the last round
-        self.replied: dict[int, int] = {}  # node -> last round it replied in
+        super().__init__(params, **kwargs)
+
+    def sync_specs(self) -> tuple[Synced, ...]:
+        return synced_state(self.params)
 
     def on_round_start(self, server_round: int) -> None:
-        """Encode this round's two payloads once: the masked pull and the full resync."""
         if self.freezing is None:
             self.freezing = FreezingState.fresh(self.global_vector, self.params)
-            self.trained_mask = self.freezing.active.clone()
-        mask = self.freezing.active
-        pull = encode_masked(self.global_vector, self.trained_mask, ship_mask=False)
-        if not torch.equal(mask, self.trained_mask):
-            pull = with_control_bitmap(pull, MASK, mask)
-        self._pull = pull
-        self._resync = with_control_bitmap(self._dense_payload, MASK, mask)
 
-    def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
-        """Only last round's trained values to a node that replied then; else everything."""
-        in_sync = self.replied.get(node_id) == server_round - 1
-        return self._pull if in_sync else self._resync
+    def synced(self) -> dict[str, torch.Tensor]:
+        assert self.freezing is not None
+        return {"model": self.global_vector, "mask": self.freezing.active}
 
-    def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
-        in_sync = self.replied.get(node_id) == server_round - 1
-        return {"apf-base-round": server_round - 1 if in_sync else -1}
-
-    def decode_reply(self, reply: Message) -> torch.Tensor:
+    def decode_reply(self, reply: Message, base: torch.Tensor) -> torch.Tensor:
         assert self.freezing is not None and self.layout is not None
-        return decode(
-            reply.content, self.layout, base=self.global_vector, mask=self.freezing.active
-        )
+        return decode(reply.content, self.layout, base=base, mask=self.freezing.active)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
         assert self.freezing is not None
         vector = super().aggregate(server_round, updates)
         frozen = ~self.freezing.active
         vector[frozen] = self.global_vector[frozen]  # exact, not a float round trip
-        for update in updates:
-            self.replied[update.node_id] = server_round
-        self.trained_mask = self.freezing.active.clone()
         if server_round % self.params.check_interval == 0:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, server_round))
             stability_check(self.freezing, vector, self.params, generator)
@@ -200,31 +190,17 @@ class APFServer(ServerStrategy):
 
 
 class APFHooks(ClientHooks):
-    """Rebuilds the global model from a masked pull, rolls frozen scalars back each step."""
+    """Rebuilds model and mask from the sync protocol, rolls frozen scalars back each step."""
+
+    params: APFParams
 
     def load(
         self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout
     ) -> None:
-        config = content.config_records["config"]
-        base_round = cast(int, config["apf-base-round"])
-        if base_round >= 0:
-            kept = state.array_records.get(STATE)
-            synced = state.config_records.get(SYNCED)
-            if kept is None or synced is None or synced["round"] != base_round:
-                raise RuntimeError(f"APF client is not in sync with round {base_round}")
-            base = torch.from_numpy(array_to_numpy(kept["global"]).copy())
-            mask = unpack_bitmap(kept["mask"], layout.numel)
-            vector = decode(content, layout, base=base, mask=mask)
-        else:
-            vector = decode(content, layout)
-            mask = torch.ones(layout.numel, dtype=torch.bool)
-        if MASK in content.array_records:
-            mask = unpack_bitmap(content.array_records[MASK]["bits"], layout.numel)
+        synced = SyncClient(synced_state(self.params)).receive(content, state, layout)
+        vector, self.mask = synced["model"], synced["mask"]
         layout.load_into(model, vector)
-        self.mask = mask
-        self.rollback = Rollback(model, layout, mask, vector)
-        state[STATE] = ArrayRecord({"global": numpy_to_array(vector.numpy()), "mask": bitmap(mask)})
-        state[SYNCED] = ConfigRecord({"round": cast(int, config["server-round"])})
+        self.rollback = Rollback(model, layout, self.mask, vector)
 
     def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> bool:
         self.rollback()

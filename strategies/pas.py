@@ -12,34 +12,34 @@ R = |P + N| / (P - N) with bilateral EMAs, and divides τ[x] by γ when R[x] sto
 no new low for W rounds (our choice, from GIFT's reference code; the paper gives no
 exact test), after which W doubles for that scalar and its EMAs restart.
 
-Wire protocol (ours; in the paper each client applies the same halvings itself): a
-client that replied last round gets only the indices of the scalars halved since
-(4 B each, control traffic); any other client gets every period (2 B each), unless
-all are still τ_0. Replies
-carry one array per period group, smallest period first, and report the group sizes.
+Wire protocol (ours; in the paper each client applies the same halvings itself): the
+periods travel through the shared sync protocol (`fl.sync`) as control state. A client
+that replied last round gets only the indices of the scalars halved since (4 B each; it
+halves them itself), a returning client the periods changed since the round it last saw,
+a new one those that differ from τ_0; the whole period vector (2 B each) only when that
+is cheaper. The model travels dense. Replies carry one array per period group
+(`fl.codec`'s `grouped`), smallest period first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.clock import ClientWork, DeviceProfile, pipelined_seconds, sequential_seconds
-from fl.codec import CodecError, decode, with_control
+from fl.codec import decode, encode_grouped
 from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks, Reply
 from fl.masking import Rollback
-from fl.records import Layout, array_to_numpy, numpy_to_array
+from fl.records import Layout
 from fl.registry import register
 from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
-
-PERIODS, SHORTENED, STATE, SYNCED = "pas-periods", "pas-shortened", "pas", "pas-synced"
+from fl.strategy import ClientUpdate, ServerStrategy, UploadParts
+from fl.sync import SyncClient, Synced
 
 
 @dataclass
@@ -75,10 +75,25 @@ class PASParams:
         check_tuning_settings(self.ratio, self.ema, self.window, self.window_growth, self.warmup)
 
 
-def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> None:
-    """τ[x] ← max(τ_min, floor(τ[x] / γ)) for the scalars in `where` (mask or indices)."""
+def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> torch.Tensor:
+    """τ[x] ← max(τ_min, floor(τ[x] / γ)) for the scalars in `where` (mask or indices),
+    in place; returns `periods`."""
     shorter = torch.floor(periods[where] / params.ratio).to(periods.dtype)
     periods[where] = shorter.clamp_min(params.min_period)
+    return periods
+
+
+def synced_state(params: PASParams) -> tuple[Synced, ...]:
+    """The periods, kept in step on every client (`fl.sync`): τ_0 to start with, halved by
+    the same rule on both sides."""
+    return (
+        Synced(
+            "periods",
+            dtype=torch.int16,
+            initial=lambda n: torch.full((n,), params.initial_period, dtype=torch.int64),
+            advance=lambda periods, index: shorten(periods, index, params),
+        ),
+    )
 
 
 @checkpointable
@@ -115,50 +130,11 @@ def tune_periods(
     return rate, stalled
 
 
-# ----- reply codec: one array per period group ------------------------------------------
+# ----- reply layout: one array per period group ----------------------------------------
 def group_sizes(periods: torch.Tensor) -> list[tuple[int, int]]:
     """(period, number of scalars) for each distinct period, smallest first."""
     values, counts = torch.unique(periods, sorted=True, return_counts=True)
     return [(int(v), int(c)) for v, c in zip(values, counts, strict=True)]
-
-
-def group_bytes(periods: torch.Tensor) -> list[tuple[int, int]]:
-    """(period, float32 bytes) of each group of the reply, in sending order."""
-    return [(period, 4 * n) for period, n in group_sizes(periods)]
-
-
-def encode_groups(
-    vector: torch.Tensor, periods: torch.Tensor
-) -> dict[str, ArrayRecord | ConfigRecord]:
-    """The reply payload: one array per period group, in sending order."""
-    arrays = ArrayRecord()
-    groups = group_bytes(periods)
-    for period, _ in groups:
-        arrays[f"p{period}"] = numpy_to_array(vector[periods == period].contiguous().numpy())
-    total = sum(size for _, size in groups)
-    codec = ConfigRecord({"name": "pas-groups", "payload-bytes": total, "control-bytes": 0})
-    return {"arrays": arrays, "codec": codec}
-
-
-def decode_groups(content: RecordDict, periods: torch.Tensor) -> torch.Tensor:
-    """The full vector from a grouped reply; the groups must match `periods` exactly."""
-    arrays = content.array_records.get("arrays")
-    if arrays is None:
-        raise CodecError("reply has no 'arrays' record")
-    expected = {f"p{p}": n for p, n in group_sizes(periods)}
-    if set(arrays) != set(expected):
-        raise CodecError(f"reply groups {sorted(arrays)} do not match periods {sorted(expected)}")
-    out = torch.empty(periods.numel())
-    for key, n in expected.items():
-        raw = array_to_numpy(arrays[key])
-        if raw.dtype != np.float32 or raw.shape != (n,):
-            raise CodecError(f"group {key} holds {raw.dtype} {raw.shape}, expected float32 ({n},)")
-        out[periods == int(key[1:])] = torch.from_numpy(raw.copy())
-    return out
-
-
-def _periods_array(periods: torch.Tensor) -> Array:
-    return numpy_to_array(periods.numpy().astype(np.int16))
 
 
 # ----- server half ----------------------------------------------------------------------
@@ -166,69 +142,53 @@ class PASServer(ServerStrategy):
     """FedAvg per scalar; per-scalar periods tuned after aggregation; overlap credited."""
 
     dpsgd_safe = False  # sets local-steps per round, which DP-SGD's plan does not follow
+    stale_replies_ok = False  # a reply's groups follow the periods of the round it answers
 
     params: PASParams
-    state_attributes = ("control", "shortened", "replied", "consistency")
+    state_attributes = ("control", "shortened", "consistency")
 
     def __init__(self, params: PASParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.control: PeriodState | None = None
         self.round_periods = torch.empty(0, dtype=torch.int64)  # τ of this round
-        self.shortened = torch.empty(0, dtype=torch.int64)  # indices halved last round
-        self.replied: dict[int, int] = {}  # node -> last round it replied in
+        self.shortened = 0  # scalars halved in the last round
         self.consistency = float("nan")
+
+    def sync_specs(self) -> tuple[Synced, ...]:
+        return synced_state(self.params)
 
     def on_round_start(self, server_round: int) -> None:
         if self.control is None:
             self.control = PeriodState.fresh(self.global_vector.numel(), self.params)
         self.round_periods = self.control.periods.clone()
 
-    def _in_sync(self, server_round: int, node_id: int) -> bool:
-        return self.replied.get(node_id) == server_round - 1
+    def synced(self) -> dict[str, torch.Tensor]:
+        return {"periods": self.round_periods}
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
-        base = server_round - 1 if self._in_sync(server_round, node_id) else -1
-        return {"local-steps": int(self.round_periods.max()), "pas-base-round": base}
+        return {"local-steps": int(self.round_periods.max())}
 
-    def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
-        payload = self._dense_payload
-        if not self._in_sync(server_round, node_id):
-            if bool((self.round_periods == self.params.initial_period).all()):
-                return payload  # the client starts every scalar at τ_0 by itself
-            control = ArrayRecord({"periods": _periods_array(self.round_periods)})
-            return with_control(payload, PERIODS, control)
-        if len(self.shortened):
-            indices = numpy_to_array(self.shortened.numpy().astype(np.int32))
-            return with_control(payload, SHORTENED, ArrayRecord({"indices": indices}))
-        return payload
-
-    def decode_reply(self, reply: Message) -> torch.Tensor:
-        return decode_groups(reply.content, self.round_periods)
+    def decode_reply(self, reply: Message, base: torch.Tensor) -> torch.Tensor:
+        assert self.layout is not None
+        return decode(reply.content, self.layout, groups=self.round_periods)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
         assert self.control is not None
         deltas = torch.stack([u.vector - self.global_vector for u in updates])
         rate, stalled = tune_periods(self.control, deltas, server_round, self.params)
         self.consistency = float(rate.mean())
-        self.shortened = stalled.nonzero().flatten()
-        for update in updates:
-            self.replied[update.node_id] = server_round
+        self.shortened = int(stalled.sum())
         return super().aggregate(server_round, updates)
 
-    def client_seconds(self, profile: DeviceProfile, work: ClientWork) -> float:
-        """Groups leave as their period ends: from the periods the server sent, never the
-        client's own account (a client could otherwise shorten its time)."""
-        groups = group_bytes(self.round_periods)
-        if len(groups) <= 1:
-            return sequential_seconds(profile, work)
-        steps = int(self.round_periods.max())
-        return pipelined_seconds(
-            profile,
-            down_bytes=work.down_bytes,
-            step_seconds=work.samples / steps / profile.speed,
-            groups=groups,
-            extra_up_bytes=max(work.up_bytes - sum(size for _, size in groups), 0),
-        )
+    def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
+        """Each group leaves as its period ends (from the periods the server sent, never
+        the client's own account); any control bytes follow the last group."""
+        groups = group_sizes(self.round_periods)
+        steps = groups[-1][0]
+        parts = [(period / steps, 4 * n) for period, n in groups]
+        extra = max(up_bytes - sum(size for _, size in parts), 0)
+        last_fraction, last_bytes = parts[-1]
+        return (*parts[:-1], (last_fraction, last_bytes + extra))
 
     def diagnostics(self) -> dict[str, Any]:
         out = super().diagnostics()
@@ -237,7 +197,7 @@ class PASServer(ServerStrategy):
             out["local_steps"] = int(self.round_periods.max())
             out["mean_period"] = float(self.round_periods.float().mean())
             out["period_histogram"] = {str(p): n for p, n in group_sizes(self.round_periods)}
-            out["shortened"] = len(self.shortened)
+            out["shortened"] = self.shortened
         return out
 
 
@@ -250,25 +210,8 @@ class PASHooks(ClientHooks):
     def load(
         self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout
     ) -> None:
-        config = content.config_records["config"]
-        base_round = cast(int, config["pas-base-round"])
-        if PERIODS in content.array_records:
-            stored = array_to_numpy(content.array_records[PERIODS]["periods"])
-            periods = torch.from_numpy(stored.astype(np.int64))
-        elif base_round < 0:  # no periods sent: all still at τ_0
-            periods = torch.full((layout.numel,), self.params.initial_period, dtype=torch.int64)
-        else:
-            kept, synced = state.array_records.get(STATE), state.config_records.get(SYNCED)
-            if kept is None or synced is None or synced["round"] != base_round:
-                raise RuntimeError(f"PAS client is not in sync with round {base_round}")
-            periods = torch.from_numpy(array_to_numpy(kept["periods"]).astype(np.int64))
-            if SHORTENED in content.array_records:
-                indices = array_to_numpy(content.array_records[SHORTENED]["indices"])
-                shorten(periods, torch.from_numpy(indices.astype(np.int64)), self.params)
-        vector = decode(content, layout)
-        layout.load_into(model, vector)
-        state[STATE] = ArrayRecord({"periods": _periods_array(periods)})
-        state[SYNCED] = ConfigRecord({"round": cast(int, config["server-round"])})
+        periods = SyncClient(synced_state(self.params)).receive(content, state, layout)["periods"]
+        layout.load_into(model, decode(content, layout))
         self.layout, self.periods = layout, periods
         self.boundaries = {p for p, _ in group_sizes(periods)[:-1]}  # all but the last group
         self.rollback: Rollback | None = None
@@ -282,7 +225,7 @@ class PASHooks(ClientHooks):
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        return encode_groups(layout.flatten(model.state_dict()), self.periods), {}
+        return encode_grouped(layout.flatten(model.state_dict()), self.periods), {}
 
 
 STRATEGY = register("pas", server=PASServer, client=PASHooks, params=PASParams)

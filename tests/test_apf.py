@@ -13,13 +13,14 @@ from fl.codec import payload_traffic
 from fl.diagnosis import PerturbationEMA
 from fl.engines.local import LocalGrid
 from fl.records import Layout
+from fl.sync import SyncServer
 from strategies.apf import (
-    MASK,
     APFHooks,
     APFParams,
     APFServer,
     FreezingState,
     stability_check,
+    synced_state,
 )
 
 
@@ -81,15 +82,10 @@ def test_frozen_scalars_stay_bit_identical_through_local_training():
     layout = Layout.of(model.state_dict())
     start = layout.flatten(model.state_dict())
     mask = torch.rand(layout.numel) > 0.5
-    from fl.codec import encode_dense
-
-    content = RecordDict(
-        {
-            **encode_dense(start, layout),
-            MASK: ArrayRecord({"bits": __import__("fl.codec").codec.bitmap(mask)}),
-            "config": ConfigRecord({"apf-base-round": -1, "server-round": 1}),
-        }
-    )
+    sync = SyncServer(synced_state(APFParams()))
+    sync.publish(1, {"model": start, "mask": mask})
+    records, _ = sync.records(0, layout)  # a new client: dense model, the mask's flips
+    content = RecordDict({**records, "config": ConfigRecord({"server-round": 1})})
     hooks, state = APFHooks(APFParams()), RecordDict()
     hooks.load(model, content, state, layout)
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
@@ -119,7 +115,7 @@ def test_random_freezing_is_reproducible_and_only_hits_active_scalars(variant):
     assert frozen_share == pytest.approx(expected, abs=0.05)
 
 
-def test_late_joiner_gets_dense_model_and_mask_others_get_masked_pull():
+def test_sync_sends_changes_since_the_version_each_client_holds():
     from clients.app import app as client_app
     from fl.config import compose, to_run_config
 
@@ -136,17 +132,18 @@ def test_late_joiner_gets_dense_model_and_mask_others_get_masked_pull():
     freezing.active = freezing.until == freezing.checks
     assert server.diagnostics()["frozen_fraction"] == pytest.approx(0.5, abs=0.01)
     first = {m.metadata.dst_node_id for m in sent1}
+    v1 = server.sync.versions[1]["model"]
     sent2 = list(server.configure_train(2, arrays, ConfigRecord(), grid))
-    d = server.layout.numel
+    d, bits = server.layout.numel, -(-server.layout.numel // 8)
+    changed = int((server.global_vector != v1).sum())  # weights of blank pixels never move
     for message in sent2:
         traffic = payload_traffic(message.content)
-        if message.metadata.dst_node_id in first:  # replied last round: masked pull
-            assert message.content.config_records["config"]["apf-base-round"] == 1
-            assert traffic.payload == 4 * d  # round 1 trained every scalar
-        else:  # late joiner: dense model plus the mask
-            assert message.content.config_records["config"]["apf-base-round"] == -1
-            assert traffic.payload == 4 * d
-        assert traffic.control == -(-d // 8)  # the new mask travels once
+        base = message.content.config_records["sync"]["base"]
+        if message.metadata.dst_node_id in first:  # the changed values and where they are
+            assert base == 1 and changed < d
+            assert (traffic.payload, traffic.control) == (4 * changed, bits + bits)
+        else:  # holds nothing: the dense model
+            assert base == -1 and traffic.payload == 4 * d and traffic.control == bits
     replies = list(grid.send_and_receive(sent2))
     assert all(r.has_content() for r in replies)
     frozen, before = ~freezing.active, server.global_vector.clone()
@@ -154,13 +151,16 @@ def test_late_joiner_gets_dense_model_and_mask_others_get_masked_pull():
     assert server.stats.accepted == 3 and server.stats.rejected == 0
     assert torch.equal(server.global_vector[frozen], before[frozen])
     second = {m.metadata.dst_node_id for m in sent2}
-    mask_bytes = -(-d // 8) if not torch.equal(freezing.active, ~frozen) else 0
+    flips = int((freezing.active != ~frozen).sum())
     for message in server.configure_train(3, arrays, ConfigRecord(), grid):
         traffic = payload_traffic(message.content)
-        if message.metadata.dst_node_id in second:  # pull only what round 2 trained
-            assert traffic.payload == 4 * int((~frozen).sum()) and traffic.control == mask_bytes
-        else:
-            assert traffic.payload == 4 * d and traffic.control == -(-d // 8)
+        if message.metadata.dst_node_id in second:  # what round 2 changed, cheapest form:
+            trained = int((~frozen).sum())  # its values at the mask the client holds,
+            moved = int((server.global_vector != before).sum())  # or the values that moved
+            model = min(4 * trained, 4 * moved + bits, 8 * moved)
+            assert traffic.total == model + min(4 * flips, bits)
+        else:  # more changed since what it holds (or it holds nothing)
+            assert traffic.payload > 4 * int((~frozen).sum())
 
 
 def test_apf_run_freezes_and_keeps_frozen_values(tmp_path):

@@ -1,19 +1,21 @@
-"""The virtual clock: round time is the slowest selected client's round trip."""
+"""Device profiles and availability; event timing is in test_event_clock.py."""
 
 import pytest
 
-from fl.clock import MBIT, ClientWork, DeviceProfile, VirtualClock, build_profiles
+from fl.clock import MBIT, DeviceProfile, Job, VirtualClock, build_profiles
 
 
-def test_round_time_is_slowest_client():
+def test_replies_arrive_in_order_of_their_round_trips():
     fast = DeviceProfile(speed=100.0, up_bytes_per_s=1000.0, down_bytes_per_s=2000.0)
     slow = DeviceProfile(speed=10.0, up_bytes_per_s=100.0, down_bytes_per_s=200.0)
     clock = VirtualClock([fast, slow], seed=0)
-    work = [ClientWork(0, 100, 2000, 1000), ClientWork(1, 100, 2000, 1000)]
-    # slow: 2000/200 + 100/10 + 1000/100 = 30 s; fast: 1 + 1 + 1 = 3 s
-    assert clock.advance(work) == pytest.approx(30.0)
-    assert clock.advance(work[:1]) == pytest.approx(3.0)
-    assert clock.now == pytest.approx(33.0)
+    for key in (0, 1):
+        clock.submit(Job(key, key, down_bytes=2000, samples=100, uploads=((1.0, 1000),)))
+    # fast: 2000/2000 + 100/100 + 1000/1000 = 3 s; slow: 10 + 10 + 10 = 30 s
+    first, second = clock.next_arrival(), clock.next_arrival()
+    assert (first.key, first.arrived_s) == (0, pytest.approx(3.0))
+    assert (second.key, second.arrived_s) == (1, pytest.approx(30.0))
+    assert clock.now == pytest.approx(30.0) and clock.next_arrival() is None
 
 
 def test_uniform_profiles_are_identical_and_units_are_mbit():

@@ -5,24 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import read_metrics, run_fl, without_wall_time
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.clock import ClientWork, DeviceProfile, pipelined_seconds, sequential_seconds
-from fl.codec import CodecError, encode_dense, payload_traffic
-from fl.records import Layout, numpy_to_array
+from fl.clock import DeviceProfile, Job, VirtualClock
+from fl.codec import CodecError, decode, encode_dense, encode_grouped, payload_traffic
+from fl.records import Layout
+from fl.sync import SyncServer
 from strategies.pas import (
-    PERIODS,
-    SHORTENED,
     PASHooks,
     PASParams,
     PASServer,
     PeriodState,
-    decode_groups,
-    encode_groups,
-    group_bytes,
+    group_sizes,
     shorten,
+    synced_state,
     tune_periods,
 )
 
@@ -74,8 +72,14 @@ def _model() -> tuple[nn.Module, Layout]:
     return model, Layout.of(model.state_dict())
 
 
-def _train_content(layout: Layout, vector: torch.Tensor, **config) -> RecordDict:
-    return RecordDict({**encode_dense(vector, layout), "config": ConfigRecord(config)})
+def _train_content(
+    layout: Layout, vector: torch.Tensor, periods: torch.Tensor, **config
+) -> RecordDict:
+    """What the server sends a new client: the dense model and the periods (via fl.sync)."""
+    sync = SyncServer(synced_state(PASParams(initial_period=int(periods.max()))))
+    sync.publish(1, {"periods": periods})
+    records, _ = sync.records(0, layout)
+    return RecordDict({**encode_dense(vector, layout), **records, "config": ConfigRecord(config)})
 
 
 class _Recording(PASHooks):
@@ -91,8 +95,7 @@ def test_each_group_stops_at_the_end_of_its_period():
     model, layout = _model()
     start = layout.flatten(model.state_dict())
     periods = torch.tensor([2, 4, 8])[torch.arange(layout.numel) % 3]
-    content = _train_content(layout, start, **{"server-round": 3, "pas-base-round": -1})
-    content[PERIODS] = ArrayRecord({"periods": numpy_to_array(periods.numpy().astype("int16"))})
+    content = _train_content(layout, start, periods, **{"server-round": 3})
     hooks, state = _Recording(PASParams(initial_period=8)), RecordDict()
     hooks.load(model, content, state, layout)
     hooks.trace = [start]
@@ -106,82 +109,69 @@ def test_each_group_stops_at_the_end_of_its_period():
         assert not torch.equal(trace[p][group], trace[p - 1][group])  # moved until step p
     # the reply: one array per group, smallest period first, all scalars once
     records, _ = hooks.end(model, state, layout)
-    assert list(records["arrays"].keys()) == ["p2", "p4", "p8"]
+    assert list(records["arrays"].keys()) == ["g2", "g4", "g8"]
     counts = [int((periods == p).sum()) for p in (2, 4, 8)]
-    assert group_bytes(periods) == [(p, 4 * n) for p, n in zip((2, 4, 8), counts, strict=True)]
+    assert group_sizes(periods) == list(zip((2, 4, 8), counts, strict=True))
     assert payload_traffic(RecordDict(records)).payload == 4 * layout.numel
-    assert torch.equal(decode_groups(RecordDict(records), periods), trace[-1])
+    assert torch.equal(decode(RecordDict(records), layout, groups=periods), trace[-1])
 
 
 def test_grouped_reply_must_match_the_servers_periods():
-    periods = torch.tensor([4, 8, 4, 8])
-    records = encode_groups(torch.arange(4.0), periods)
-    with pytest.raises(CodecError, match="do not match"):
-        decode_groups(RecordDict(records), torch.full((4,), 2))
-    with pytest.raises(CodecError, match=r"p4 holds float32 \(2,\), expected float32 \(1,\)"):
-        decode_groups(RecordDict(records), torch.tensor([4, 8, 8, 8]))
+    layout = Layout(("w",), ((4,),), (torch.float32,))
+    records = RecordDict(encode_grouped(torch.arange(4.0), torch.tensor([4, 8, 4, 8])))
+    with pytest.raises(CodecError, match="missing arrays"):
+        decode(records, layout, groups=torch.full((4,), 2))
+    with pytest.raises(CodecError):
+        decode(records, layout, groups=torch.tensor([4, 8, 8, 8]))
 
 
-def test_control_state_out_of_sync_gets_all_periods_in_sync_gets_halved_indices():
+def test_periods_travel_as_changes_since_the_version_a_client_holds():
     server = PASServer(PASParams(initial_period=16), seed=0, clients_per_round=2)
-    model, layout = _model()
+    model = nn.Linear(100, 10)  # 1,010 scalars: indices beat a bitmap for five changes
+    layout = Layout.of(model.state_dict())
     server.layout, server.global_vector = layout, layout.flatten(model.state_dict())
     server._dense_payload = encode_dense(server.global_vector, layout)
-    server.on_round_start(1)
     d = layout.numel
+
+    def start(version: int) -> None:
+        server.on_round_start(version)
+        server.sync.publish(version, server.synced())
+
+    start(1)
     fresh = payload_traffic(RecordDict(server.train_payload(1, node_id=7)))
     assert (fresh.payload, fresh.control) == (4 * d, 0)  # all still τ_0: nothing to send
-    server.control.periods[:5] = 8
-    server.shortened = torch.arange(5)
-    server.replied = {1: 1}
-    server.on_round_start(2)
-    in_sync = RecordDict(server.train_payload(2, node_id=1))
-    late = RecordDict(server.train_payload(2, node_id=2))
-    assert payload_traffic(in_sync).control == 4 * 5 and SHORTENED in in_sync.array_records
-    assert payload_traffic(late).control == 2 * d and PERIODS in late.array_records
-    assert server.train_config(2, 1) == {"local-steps": 16, "pas-base-round": 1}
-    assert server.train_config(2, 2)["pas-base-round"] == -1
-
-    # the in-sync client applies the indices to its stored copy; a stale one refuses
     hooks, state = PASHooks(server.params), RecordDict()
-    first = _train_content(
-        layout, server.global_vector, **{"server-round": 1, "pas-base-round": -1}
-    )
+    first = RecordDict({**server.train_payload(1, node_id=1), "config": ConfigRecord()})
     hooks.load(model, first, state, layout)
-    in_sync["config"] = ConfigRecord({"server-round": 2, "pas-base-round": 1})
+    server.sync.confirm(1, 1)  # node 1 replied to round 1
+    shorten(server.control.periods, torch.arange(5), server.params)  # round 1 halved five
+    start(2)
+    in_sync = RecordDict({**server.train_payload(2, node_id=1), "config": ConfigRecord()})
+    new = RecordDict(server.train_payload(2, node_id=2))
+    assert payload_traffic(in_sync).control == 4 * 5  # indices; the client halves them itself
+    assert in_sync.config_records["sync"]["periods"] == "advance"
+    assert payload_traffic(new).control == (4 + 2) * 5  # indices and values vs τ_0
+    assert server.train_config(2, 1) == {"local-steps": 16}
     hooks.load(model, in_sync, state, layout)
     assert torch.equal(hooks.periods, server.control.periods)
-    with pytest.raises(RuntimeError, match="not in sync"):
-        in_sync["config"] = ConfigRecord({"server-round": 4, "pas-base-round": 3})
-        hooks.load(model, in_sync, state, layout)
+    with pytest.raises(RuntimeError, match="does not hold version 1"):
+        hooks.load(model, in_sync, state, layout)  # it now holds version 2
 
 
-def test_pipelined_schedule_credits_uploads_that_overlap_training():
+def test_upload_parts_credit_groups_that_leave_while_training_goes_on():
     profile = DeviceProfile(speed=100.0, up_bytes_per_s=100.0, down_bytes_per_s=200.0)
-    # download 1 s; steps of 0.1 s; group (10 steps, 50 B) ready at 2 s, uploads until 2.5 s;
-    # group (20 steps, 150 B) ready at 3 s: 1.5 s upload, done at 4.5 s; + 20 B control
-    groups = [(20, 150), (10, 50)]
-    seconds = pipelined_seconds(
-        profile, down_bytes=200, step_seconds=0.1, groups=groups, extra_up_bytes=20
-    )
-    assert seconds == pytest.approx(4.7)
-    # a big early group still on the link when training ends delays the last one
-    assert pipelined_seconds(
-        profile, down_bytes=200, step_seconds=0.1, groups=[(10, 250), (20, 150)]
-    ) == pytest.approx(1 + 1 + 2.5 + 1.5)
-    # through the strategy: the periods the server sent (12 scalars at τ=10, 38 at τ=20:
-    # 48 and 152 bytes), whatever the client claims; one group is FedAvg's sequential time
     server = PASServer(PASParams(), seed=0, clients_per_round=1)
+    # the periods the server sent (12 scalars at τ=10, 38 at τ=20: 48 and 152 bytes),
+    # whatever the client claims, plus 20 B of control after the last group
     server.round_periods = torch.tensor([10] * 12 + [20] * 38)
-    lying = {"steps": 10**9, "pas-group-bytes": [0, 0]}
-    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=220, metrics=lying)
-    expected = pipelined_seconds(
-        profile, down_bytes=200, step_seconds=0.1, groups=[(10, 48), (20, 152)], extra_up_bytes=20
-    )
-    assert server.client_seconds(profile, work) == pytest.approx(expected)
+    parts = server.upload_parts(0, 220)
+    assert parts == ((0.5, 48), (1.0, 172))
+    clock = VirtualClock([profile], seed=0)
+    clock.submit(Job(0, 0, down_bytes=200, samples=200, uploads=parts))
+    # download 1 s; 200 samples in 2 s; 48 B leave at 2 s (0.48 s), 172 B at 3 s (1.72 s)
+    assert clock.next_arrival().arrived_s == pytest.approx(1 + 2 + 1.72)
     server.round_periods = torch.full((50,), 20)
-    work = ClientWork(0, samples=200, down_bytes=200, up_bytes=200)
-    assert server.client_seconds(profile, work) == pytest.approx(sequential_seconds(profile, work))
+    assert server.upload_parts(0, 200) == ((1.0, 200),)  # one group: FedAvg's sequential time
 
 
 RUN = [

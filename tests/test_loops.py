@@ -1,0 +1,137 @@
+"""Loop kinds on the event-driven clock: sync with first-k and deadlines, semi-async, groups.
+
+Each run is the real round loop on the in-process engine (real training, real ClientApp).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import read_metrics, without_wall_time
+
+import clients.app as client
+from fl.config import ConfigError, compose, to_run_config, validate
+from fl.engines.local import LocalGrid
+from server.loop import run_training
+
+BASE = [
+    "num_clients=8",
+    "clients_per_round=8",
+    "local_steps=5",
+    "progress=false",
+    "system=heterogeneous",
+]
+
+
+def _run(out: Path, *overrides: str) -> list[dict[str, Any]]:
+    cfg = compose([*BASE, *overrides])
+    validate(cfg)
+    run_training(LocalGrid(client.app, cfg.num_clients, to_run_config(cfg)), cfg, out)
+    return read_metrics(out)
+
+
+def test_first_k_aggregates_exactly_the_earliest_half_and_shortens_rounds(tmp_path: Path) -> None:
+    plain = _run(tmp_path / "sync", "rounds=3")
+    half = _run(tmp_path / "half", "rounds=3", "loop.first_k_fraction=0.5")
+    assert [r["replies"] for r in plain] == [8, 8, 8]
+    assert [r["replies"] for r in half] == [4, 4, 4]
+    assert [r["missing"] for r in half] == [4, 4, 4]  # the late half is dropped, not waited for
+    # Round 1 sends the same model to the same devices: the half closes at the 4th arrival.
+    assert half[0]["round_time_s"] < plain[0]["round_time_s"]
+    assert sum(r["round_time_s"] for r in half) < 0.8 * sum(r["round_time_s"] for r in plain)
+    assert half[0]["bytes_up"] == plain[0]["bytes_up"] // 2  # only landed replies count
+
+
+def test_deadline_drops_what_has_not_arrived(tmp_path: Path) -> None:
+    plain = _run(tmp_path / "sync", "rounds=1")
+    cut = 0.6 * plain[0]["round_time_s"]
+    rows = _run(tmp_path / "cut", "rounds=1", f"loop.deadline_s={cut}")
+    assert 0 < rows[0]["replies"] < 8
+    assert rows[0]["replies"] + rows[0]["missing"] == 8
+    assert rows[0]["round_time_s"] == pytest.approx(cut)
+
+
+def test_semi_async_reports_staleness_and_closes_at_the_kth_arrival(tmp_path: Path) -> None:
+    rows = _run(tmp_path, "rounds=6", "loop=semi_async", "loop.buffer_k=2", "clients_per_round=4")
+    assert [r["replies"] for r in rows] == [2] * 6
+    assert rows[0]["clients"] == 4  # then only as many as landed are replaced
+    assert all(r["clients"] == 2 for r in rows[1:])
+    assert rows[0]["staleness_max"] == 0
+    assert max(r["staleness_max"] for r in rows) >= 1  # slow devices' replies land later
+    assert all(0 <= r["staleness_mean"] <= r["staleness_max"] for r in rows)
+    times = [r["virtual_time_s"] for r in rows]
+    assert times == sorted(times)
+
+
+def test_sync_with_carry_lands_late_replies_in_a_later_round(tmp_path: Path) -> None:
+    rows = _run(
+        tmp_path, "rounds=4", "loop.first_k_fraction=0.5", "loop.late=carry", "clients_per_round=4"
+    )
+    assert rows[0]["replies"] == 2
+    assert max(r["staleness_max"] for r in rows) >= 1
+
+
+def test_groups_land_one_whole_group_per_round(tmp_path: Path) -> None:
+    rows = _run(tmp_path, "rounds=4", "loop=groups", "loop.groups=2")
+    assert rows[0]["clients"] == 8  # both groups start
+    assert all(r["replies"] == 4 for r in rows)  # partitions p with p % 2 == g
+    assert all(r["clients"] in (0, 4) for r in rows[1:])  # the landed group goes again
+
+
+def test_semi_async_resumes_exactly_mid_flight(tmp_path: Path) -> None:
+    args = ["loop=semi_async", "loop.buffer_k=2", "clients_per_round=4"]
+    whole = _run(tmp_path / "whole", "rounds=5", *args)
+    _run(tmp_path / "split", "rounds=2", *args)
+    resumed = _run(tmp_path / "split", "rounds=5", "resume=true", *args)
+    assert without_wall_time(resumed) == without_wall_time(whole)
+
+
+def test_server_link_sharing_slows_a_round(tmp_path: Path) -> None:
+    same = ["rounds=1", "system=uniform", "partition=iid"]  # equal work: transfers coincide
+    alone = _run(tmp_path / "free", *same)
+    shared = _run(tmp_path / "shared", *same, "system.server_bandwidth_mbps=10")
+    # 8 equal downloads, then 8 equal uploads, start together on a 10 Mbit/s server link
+    # (each direction): each gets an eighth of it instead of its own 50 / 10 Mbit/s.
+    size, link = shared[0]["bytes_up"] / 8, 10e6 / 8
+    extra = (8 * size / link - size / (5 * link)) + (8 * size / link - size / link)
+    assert shared[0]["round_time_s"] - alone[0]["round_time_s"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_aggregation_time_is_charged_per_reply(tmp_path: Path) -> None:
+    plain = _run(tmp_path / "a", "rounds=1")
+    slow = _run(tmp_path / "b", "rounds=1", "system.aggregation_s_per_update=0.5")
+    assert slow[0]["round_time_s"] == pytest.approx(plain[0]["round_time_s"] + 8 * 0.5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=apf", "loop=semi_async"], "strategy=apf aggregates only replies"),
+        (["strategy=pas", "local_steps=8", "loop.late=carry"], "strategy=pas aggregates"),
+        (["loop.first_k_fraction=1.5"], "loop.first_k_fraction"),
+        (["loop=semi_async", "loop.buffer_k=99"], "loop.buffer_k"),
+        (["loop.kind=async"], "loop.kind"),
+    ],
+)
+def test_invalid_loop_settings_are_refused_by_name(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(compose([*BASE, *overrides]))
+
+
+def test_clients_see_their_device_and_deadline(tmp_path: Path, monkeypatch) -> None:
+    seen: list[dict[str, Any]] = []
+    original = client.ClientTime.from_config
+
+    def spy(config: Any, down_bytes: int) -> Any:
+        view = original(config, down_bytes)
+        seen.append({"speed": view.speed, "deadline": view.deadline_s, "down": view.download_s})
+        return view
+
+    monkeypatch.setattr(client.ClientTime, "from_config", spy)
+    _run(tmp_path, "rounds=1", "system=uniform", "loop.deadline_s=100")
+    assert len(seen) == 8
+    assert all(v["speed"] == 500.0 and v["deadline"] == 100.0 for v in seen)
+    assert all(math.isclose(v["down"], 4810 * 4 / (50e6 / 8)) for v in seen)
