@@ -37,6 +37,7 @@ from fl.codec import (
     encode_sparse,
     unpack_bitmap,
 )
+from fl.packing import pack, packed_bytes, unpack
 from fl.records import Layout, array_to_numpy, numpy_to_array
 
 __all__ = ["SyncClient", "SyncServer", "Synced"]
@@ -97,14 +98,30 @@ _NP_TORCH = {torch.bool: np.bool_, torch.int16: np.int64, torch.int32: np.int64}
 _NP_TORCH[torch.float32] = np.float32
 
 
-def _indices(where: torch.Tensor) -> Array:
-    return numpy_to_array(where.nonzero().flatten().numpy().astype(np.int32))
+def _dense_part(spec: Synced, value: torch.Tensor) -> np.ndarray:
+    """A whole control tensor as it travels: a bitmap for masks, else its wire dtype."""
+    if spec.dtype == torch.bool:
+        return np.packbits(value.numpy().astype(np.uint8))
+    return value.numpy().astype(_wire_dtype(spec))
 
 
-def _read_indices(array: Array, numel: int) -> torch.Tensor:
-    raw = array_to_numpy(array)
-    if raw.dtype != np.int32 or raw.ndim != 1:
-        raise CodecError("sync indices must be int32 1-D")
+def _unpacked_bits(bits: np.ndarray, numel: int, name: str) -> torch.Tensor:
+    if bits.size != -(-numel // 8):
+        raise CodecError(f"{name}: a bitmap of {bits.size} bytes cannot hold {numel} flags")
+    return torch.from_numpy(np.unpackbits(bits)[:numel].astype(bool))
+
+
+def _exactly(values: np.ndarray, count: int, name: str) -> np.ndarray:
+    if values.size != count:
+        raise CodecError(f"{name}: {values.size} values for {count} positions")
+    return values
+
+
+def _as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(values.copy()).to(dtype)
+
+
+def _checked_indices(raw: np.ndarray, numel: int) -> torch.Tensor:
     index = torch.from_numpy(raw.astype(np.int64))
     if len(index) and (int(index.min()) < 0 or int(index.max()) >= numel):
         raise CodecError("sync index out of range")
@@ -224,35 +241,32 @@ class SyncServer:
         arrays: ArrayRecord,
         how: ConfigRecord,
     ) -> None:
-        name, numel = spec.name, value.numel()
-        item = _wire_dtype(spec).itemsize
-        dense_bytes = -(-numel // 8) if spec.dtype == torch.bool else item * numel
-        options: list[tuple[int, str]] = [(dense_bytes, "dense")]
+        """The cheapest form of `value` given what the client holds, deflated where smaller."""
+        options: list[tuple[str, dict[str, np.ndarray]]] = [
+            ("dense", {"": _dense_part(spec, value)})
+        ]
         if held is not None:
             changed = value != held
-            count = int(changed.sum())
-            options.append((0 if count == 0 else 4 * count, "none" if count == 0 else "indices"))
-            if count and spec.dtype != torch.bool:
-                options.pop()
+            index = changed.nonzero().flatten().numpy().astype(np.int32)
+            if not len(index):
+                options.append(("none", {}))
+            elif spec.dtype == torch.bool:  # flips
+                options.append(("indices", {"indices": index}))
+            else:
+                values = value[changed].numpy().astype(_wire_dtype(spec))
                 if spec.advance is not None and base != NONE and base == self.previous:
-                    options.append((4 * count, "advance"))
-                options.append(((4 + item) * count, "indices"))
-                options.append((-(-numel // 8) + item * count, "bitmap"))
-        _, label = min(options, key=lambda o: o[0])
-        how[name] = label
-        if label == "dense":
-            arrays[name] = bitmap(value) if spec.dtype == torch.bool else _to_wire(value, spec)
-        elif label in ("indices", "advance"):
-            assert held is not None
-            changed = value != held
-            arrays[f"{name}.indices"] = _indices(changed)
-            if label == "indices" and spec.dtype != torch.bool:
-                arrays[f"{name}.values"] = _to_wire(value[changed], spec)
-        elif label == "bitmap":
-            assert held is not None
-            changed = value != held
-            arrays[f"{name}.bits"] = bitmap(changed)
-            arrays[f"{name}.values"] = _to_wire(value[changed], spec)
+                    options.append(("advance", {"indices": index}))
+                options.append(("indices", {"indices": index, "values": values}))
+                bits = np.packbits(changed.numpy().astype(np.uint8))
+                options.append(("bitmap", {"bits": bits, "values": values}))
+        packed = [
+            (label, pack({f"{spec.name}.{k}" if k else spec.name: v for k, v in parts.items()}))
+            for label, parts in options
+        ]
+        label, chosen = min(packed, key=lambda o: packed_bytes(o[1]))
+        how[spec.name] = label
+        for key, array in chosen.items():
+            arrays[key] = array
 
     # ----- resume -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -337,29 +351,35 @@ class SyncClient:
         held: torch.Tensor | None,
         numel: int,
     ) -> torch.Tensor:
-        name = spec.name
+        name, wire = spec.name, _wire_dtype(spec)
         if label == "dense":
-            return self._load(spec, arrays[name], numel)
+            if spec.dtype == torch.bool:
+                bits = unpack(arrays, name, np.dtype(np.uint8), -(-numel // 8))
+                return _unpacked_bits(bits, numel, name)
+            dense = _exactly(unpack(arrays, name, wire, numel), numel, name)
+            return torch.from_numpy(dense.astype(_NP_TORCH[spec.dtype]))
         if held is None:
             raise CodecError(f"{name}: a change was sent but nothing is held")
-        if label == "none":
-            return held.clone()
-        if label == "bitmap":
-            changed = unpack_bitmap(arrays[f"{name}.bits"], numel)
-            out = held.clone()
-            out[changed] = _from_wire(arrays[f"{name}.values"], spec, int(changed.sum())).to(
-                out.dtype
-            )
-            return out
-        index = _read_indices(arrays[f"{name}.indices"], numel)
-        if label == "advance" and spec.advance is not None:
-            return spec.advance(held.clone(), index)
         out = held.clone()
-        if spec.dtype == torch.bool and label == "indices":
+        if label == "none":
+            return out
+        if label == "bitmap":
+            bits = unpack(arrays, f"{name}.bits", np.dtype(np.uint8), -(-numel // 8))
+            changed = _unpacked_bits(bits, numel, name)
+            values = unpack(arrays, f"{name}.values", wire, numel)
+            out[changed] = _as_tensor(_exactly(values, int(changed.sum()), name), out.dtype)
+            return out
+        index = _checked_indices(
+            unpack(arrays, f"{name}.indices", np.dtype(np.int32), numel), numel
+        )
+        if label == "advance" and spec.advance is not None:
+            return spec.advance(out, index)
+        if label == "indices" and spec.dtype == torch.bool:
             out[index] = ~out[index]
             return out
         if label == "indices":
-            out[index] = _from_wire(arrays[f"{name}.values"], spec, len(index)).to(out.dtype)
+            values = unpack(arrays, f"{name}.values", wire, numel)
+            out[index] = _as_tensor(_exactly(values, len(index), name), out.dtype)
             return out
         raise CodecError(f"{name}: unknown sync form {label!r}")
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fl.codec import CodecError, payload_traffic
-from fl.records import Layout
+from fl.packing import pack, packed_bytes, unpack
+from fl.records import Layout, numpy_to_array
 from fl.sync import SyncClient, Synced, SyncServer
 
 N = 1000
@@ -99,9 +103,10 @@ def test_in_sync_client_gets_only_last_rounds_values_and_halved_indices() -> Non
     halved = int((world.periods != world.server.versions[1]["periods"]).sum())
     flips = int((world.mask != held_mask).sum())
     assert traffic.payload == 4 * int(held_mask.sum())  # values at the held mask, no positions
-    # halved periods as indices; mask flips as indices or the whole bitmap, what is cheaper
-    assert traffic.control == 4 * halved + min(4 * flips, N // 8)
-    assert records["sync"]["periods"] == "advance"
+    # halved periods as indices; mask flips as indices or the whole bitmap, what is cheaper,
+    # each deflated where that is smaller still
+    assert 0 < traffic.control <= 4 * halved + min(4 * flips, N // 8)
+    assert records["sync"]["periods"] in ("advance", "bitmap")
 
 
 def test_new_client_gets_periods_that_differ_from_the_initial_value() -> None:
@@ -176,14 +181,36 @@ def test_malformed_sync_records_are_codec_errors() -> None:
     world.deliver(0)
     world.step()
     records, _ = world.server.records(0, LAYOUT)
-    control = records["sync-control"]
     bad = dict(records)
-    indices = next(k for k in control if k.endswith(".indices"))
-    from fl.records import numpy_to_array
-
-    control[indices] = numpy_to_array(__import__("numpy").array([5, 3], dtype="int32"))
-    bad["sync-control"] = control
+    bad["sync"] = ConfigRecord({**records["sync"], "periods": "advance"})
+    bad["sync-control"] = ArrayRecord(
+        {
+            **{k: v for k, v in records["sync-control"].items() if not k.startswith("periods")},
+            "periods.indices": numpy_to_array(np.array([5, 3], dtype=np.int32)),
+        }
+    )
     with pytest.raises(CodecError, match="increasing"):
         world.client.receive(RecordDict(bad), world.states[0], LAYOUT)
     with pytest.raises(CodecError, match="no 'sync' record"):
         world.client.receive(RecordDict(), world.states[0], LAYOUT)
+
+
+def test_control_arrays_are_deflated_only_when_smaller_and_inflate_within_bounds() -> None:
+    sparse_bits = np.packbits(np.arange(8000) % 97 == 0)  # a bitmap of few changes
+    noise = np.random.default_rng(0).integers(0, 2**31, 200, dtype=np.int32)
+    arrays = pack({"bits": sparse_bits, "noise": noise})
+    assert set(arrays) == {"bits.z", "noise"}  # random indices do not shrink: sent plain
+    assert packed_bytes(arrays) < sparse_bits.nbytes + noise.nbytes
+    record = ArrayRecord(arrays)
+    assert np.array_equal(unpack(record, "bits", np.dtype(np.uint8), 1000), sparse_bits)
+    assert np.array_equal(unpack(record, "noise", np.dtype(np.int32), 200), noise)
+    with pytest.raises(CodecError, match="inflates past"):  # a small stream, a huge result
+        bomb = np.frombuffer(zlib.compress(bytes(10**6)), dtype=np.uint8)
+        unpack(ArrayRecord({"x.z": numpy_to_array(bomb)}), "x", np.dtype(np.uint8), 1000)
+    with pytest.raises(CodecError, match="not a zlib stream"):
+        junk = numpy_to_array(np.arange(20, dtype=np.uint8))
+        unpack(ArrayRecord({"x.z": junk}), "x", np.dtype(np.uint8), 1000)
+    with pytest.raises(CodecError, match="expected uint8"):  # a plain array keeps its dtype
+        unpack(record, "noise", np.dtype(np.uint8), 1000)
+    with pytest.raises(CodecError, match="missing"):
+        unpack(record, "other", np.dtype(np.int32), 1000)
