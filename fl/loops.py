@@ -154,19 +154,25 @@ class RoundDriver:
 
     # ----- close ------------------------------------------------------------------------
     def close(
-        self, server_round: int, started_s: float, dispatched: int, missing: list[int]
+        self,
+        server_round: int,
+        started_s: float,
+        dispatched: int,
+        missing: list[int],
+        buffer_k: int | None = None,
     ) -> Landed:
         """Advance the clock to this round's close; return what lands in it.
 
         `missing`: nodes asked this round that sent no reply. A sync round still waits
         for them until its deadline (the server cannot know they will not come).
+        `buffer_k`: the strategy's own semi-async close for this round, if it sets one.
         """
         kind = self.settings.kind
         timed = kind == "sync" or self.settings.deadline_s is not None
         until = started_s + self.deadline_s if timed else math.inf
         landed: list[Flight] = []
         given_up = list(missing)
-        target = self._target(dispatched, len(missing))
+        target = self._target(dispatched, len(missing), buffer_k)
         arrived = [f for f in self.flights.values() if f.arrived_s is not None]  # groups
         while True:
             if kind == "groups" and (group := self._complete_group(arrived)) is not None:
@@ -195,11 +201,11 @@ class RoundDriver:
             self.flights.clear()
         return self._landed(server_round, landed, given_up)
 
-    def _target(self, dispatched: int, missing: int) -> int:
+    def _target(self, dispatched: int, missing: int, buffer_k: int | None) -> int:
         """Arrivals that close a round (sync, semi_async)."""
         settings = self.settings
         if settings.kind == "semi_async":
-            k = settings.buffer_k or max(1, math.ceil(len(self.flights) / 2))
+            k = buffer_k or settings.buffer_k or max(1, math.ceil(len(self.flights) / 2))
             return min(k, len(self.flights))
         if settings.first_k_fraction is not None:
             return math.ceil(settings.first_k_fraction * dispatched)

@@ -407,6 +407,11 @@ class ServerStrategy(FedAvg):
         metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
         return vector_to_arrays(self.global_vector, self.layout), metrics
 
+    def arrivals_to_close(self, server_round: int) -> int | None:
+        """Arrivals that close this round under `semi_async` (an RL controller such as
+        ASFL's picks it per round); None: the loop's `buffer_k`."""
+        return None
+
     def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
         """How a reply leaves the client: all at the end of training by default; a
         strategy that sends parts early (PAS's period groups) says when each may go."""

@@ -178,7 +178,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         missing = driver.dispatch(
             server_round, strategy.global_vector, replies, down, asked, strategy.upload_parts
         )
-        landed = driver.close(server_round, started_s, len(messages), missing)
+        close_at = strategy.arrivals_to_close(server_round)
+        landed = driver.close(server_round, started_s, len(messages), missing, close_at)
         strategy.expect(landed.info)
         # bytes as received (also of replies rejected below), never as a client declares them
         new_arrays, _ = strategy.aggregate_train(server_round, landed.replies)

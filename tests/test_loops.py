@@ -135,3 +135,15 @@ def test_clients_see_their_device_and_deadline(tmp_path: Path, monkeypatch) -> N
     assert len(seen) == 8
     assert all(v["speed"] == 500.0 and v["deadline"] == 100.0 for v in seen)
     assert all(math.isclose(v["down"], 4810 * 4 / (50e6 / 8)) for v in seen)
+
+
+def test_a_strategy_sets_its_own_semi_async_close_per_round(tmp_path: Path, monkeypatch) -> None:
+    from fl.strategy import ServerStrategy
+
+    monkeypatch.setattr(
+        ServerStrategy, "arrivals_to_close", lambda self, rnd: 1 if rnd == 2 else None
+    )
+    rows = _run(
+        tmp_path, "rounds=3", "loop=semi_async", "loop.buffer_k=2", "clients_per_round=4"
+    )
+    assert [r["replies"] for r in rows] == [2, 1, 2]  # an ASFL-style controller's choice
