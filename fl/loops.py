@@ -102,6 +102,16 @@ class RoundDriver:
         self.flights: dict[int, Flight] = {}
         self.bases: dict[int, torch.Tensor] = {}  # sent round -> global vector it carried
 
+    @property
+    def timed(self) -> bool:
+        """Whether rounds close at a deadline (sync always; others when one is set)."""
+        return self.settings.kind == "sync" or self.settings.deadline_s is not None
+
+    @property
+    def client_deadline_s(self) -> float:
+        """The deadline a client is told: virtual seconds after sending (inf: none)."""
+        return self.deadline_s if self.timed else math.inf
+
     # ----- selection --------------------------------------------------------------------
     def wanted(self, clients_per_round: int, candidates: int) -> int | None:
         """Nodes the strategy selects this round (None: its own clients_per_round)."""
@@ -168,8 +178,7 @@ class RoundDriver:
         `buffer_k`: the strategy's own semi-async close for this round, if it sets one.
         """
         kind = self.settings.kind
-        timed = kind == "sync" or self.settings.deadline_s is not None
-        until = started_s + self.deadline_s if timed else math.inf
+        until = started_s + self.deadline_s if self.timed else math.inf
         landed: list[Flight] = []
         given_up = list(missing)
         target = self._target(dispatched, len(missing), buffer_k)

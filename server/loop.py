@@ -133,7 +133,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     driver = RoundDriver(settings, clock, partitions, deadline_s)
     strategy.attach(
         reachable=lambda rnd, nodes: driver.idle(_reachable(clock, partitions, rnd, nodes)),
-        extra_config=lambda node: _time_view(clock, partitions[node], deadline_s),
+        extra_config=lambda node: _time_view(clock, partitions[node], driver.client_deadline_s),
         staleness_exponent=settings.staleness_exponent,
     )
 
