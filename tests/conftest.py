@@ -1,4 +1,9 @@
-"""Shared fixtures: run `fl-run` for real in a subprocess, offline, in a temp directory."""
+"""Shared fixtures: run `fl-run` for real in its own process, offline, in a temp directory.
+
+`python_run` / `python_popen` start `python -m MODULE` or `python -c CODE` as a real
+process forked from a server that has already imported torch, Flower and the rest
+(tests/forkrun.py); `fresh=True` starts a new interpreter instead.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkrun
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,17 +38,50 @@ def fl_run_cmd(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "fl.run", *overrides, "progress=false"]
 
 
-def run_fl(
-    run_dir: Path, *overrides: str, timeout: float = 300
+def python_run(
+    cmd: list[str],
+    *,
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `fl-run` to completion with outputs in `run_dir`; fail with its output if it fails."""
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    """`subprocess.run(cmd, capture_output=True, text=True)` for `[sys.executable, "-m" |
+    "-c", ...]`, in a forked process (see tests/forkrun.py) unless `fresh`."""
+    return forkrun.run(
+        cmd, cwd=cwd, env=fl_env() if env is None else env, timeout=timeout, fresh=fresh
+    )
+
+
+def python_popen(
+    cmd: list[str],
+    *,
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+    capture: bool = True,
+    stderr: bool = True,
+    stream: bool = False,
+    fresh: bool = False,
+) -> forkrun.ForkedProcess | subprocess.Popen[str]:
+    """`subprocess.Popen(cmd, text=True)`, stdout and stderr captured or discarded (or
+    stdout read as it comes, `stream`), for `[sys.executable, "-m" | "-c", ...]`, in a
+    forked process unless `fresh`."""
+    env = fl_env() if env is None else env
+    return forkrun.popen(
+        cmd, cwd=cwd, env=env, capture=capture, stderr=stderr, stream=stream, fresh=fresh
+    )
+
+
+def run_fl(
+    run_dir: Path, *overrides: str, timeout: float = 300, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run `fl-run` to completion with outputs in `run_dir`; fail with its output if it fails.
+
+    `fresh`: in a new interpreter (for one side of a determinism comparison: forked runs
+    share the string-hash seed, see tests/forkrun.py).
+    """
+    proc = python_run(
+        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides), timeout=timeout, fresh=fresh
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -56,6 +95,35 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with wall-clock fields removed, for determinism comparisons."""
     return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]
+
+
+# The longest files first. xdist hands a worker whole files in collection order (pyproject:
+# --dist loadfile --no-loadscope-reorder; its default puts the files with fewest tests last,
+# which are the long end-to-end ones): a long file at the end leaves the other worker idle.
+# Wall times on two workers, longest first; any file not named runs after these.
+LONGEST_FIRST = (
+    "test_run.py",
+    "test_engine_flower_sim.py",  # Ray: mostly waiting, good company for a busy worker
+    "test_run_dir.py",
+    "test_outsiders.py",
+    "test_tls_deployment.py",
+    "test_deployment.py",
+    "test_privacy_dpsgd.py",
+    "test_robust.py",
+    "test_config_errors.py",
+    "test_resume.py",
+    "test_gift.py",
+    "test_faults.py",
+    "test_loops.py",
+    "test_trusted_figures.py",
+    "test_ledger_races.py",
+    "test_dpbalance_fl.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
 
 
 @pytest.fixture

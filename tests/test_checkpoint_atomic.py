@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fl_env
+from conftest import python_popen
 
 from server.checkpoint import load_checkpoint
 
@@ -43,13 +42,7 @@ for i in range(1, 1_000_000):
 
 def _kill_mid_loop(path: Path, mode: str, rng: random.Random) -> int:
     """Run the writer, SIGKILL it during a later save; return the last save it reported."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), mode, str(SCALARS)],
-        cwd=REPO,
-        env=fl_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc = python_popen([sys.executable, "-c", WRITER, str(path), mode, str(SCALARS)], stream=True)
     assert proc.stdout is not None
     try:
         started = time.monotonic()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
-from conftest import REPO, fl_env
+from conftest import python_run
 
 from fl.compare import compare_runs, find_runs, main
 
@@ -92,14 +91,7 @@ def test_seed_sweep_adds_mean_and_std_per_arm(tmp_path):
 
 
 def test_cli_help():
-    proc = subprocess.run(
-        [sys.executable, "-m", "fl.compare", "--help"],
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = python_run([sys.executable, "-m", "fl.compare", "--help"], timeout=60)
     assert proc.returncode == 0
     assert "usage: python -m fl.compare" in proc.stdout
     assert "--out DIR" in proc.stdout and "--title TEXT" in proc.stdout

@@ -6,12 +6,11 @@ prove the end-to-end contract: exit 1, the last stderr line names the key, no tr
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fl_env, fl_run_cmd
+from conftest import fl_env, fl_run_cmd, python_run
 
 from fl.config import CONF_DIR, ConfigError, compose, preflight, validate
 from fl.data import DATA_DIR_ENV
@@ -156,14 +155,7 @@ END_TO_END = [
 def test_fl_run_exits_with_one_line(tmp_path, overrides, message):
     run_dir = tmp_path / "run"
     env = {**fl_env(), DATA_DIR_ENV: str(tmp_path / "data")}  # no MNIST, whatever data/ holds
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides), env=env, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fl_env
+from conftest import python_run
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
@@ -111,14 +110,7 @@ def central_dp_run(tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("central") / "run"
     cmd = [sys.executable, "-m", "fl.run", f"hydra.run.dir={run_dir}", "progress=true"]
     args = ["privacy=central", "num_clients=4", "clients_per_round=4", "rounds=2"]
-    proc = subprocess.run(
-        [*cmd, *args, "local_epochs=1"],
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = python_run([*cmd, *args, "local_epochs=1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc.stdout + proc.stderr
 

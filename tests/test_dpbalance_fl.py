@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics
+from conftest import fl_run_cmd, python_popen, python_run, read_metrics
 
 from fl.config import compose
 from fl.task import get_task
@@ -30,18 +29,14 @@ def runs(tmp_path_factory):
         "greedy": ["privacy.ledger.noise_from_grant=false", "privacy.noise_multiplier=1.3"],
     }
     procs = {
-        name: subprocess.Popen(
+        name: python_popen(
             fl_run_cmd(
                 f"hydra.run.dir={root / name}",
                 *RUN,
                 f"privacy.ledger.path={root / name / 'ledger.sqlite'}",
                 *extra,
             ),
-            cwd=REPO,
-            env=fl_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            capture=False,
         )
         for name, extra in jobs.items()
     }
@@ -115,13 +110,8 @@ def test_fl_run_refuses_to_grant_on_a_tampered_ledger(tmp_path):
     with Ledger(ledger_path) as ledger:
         ledger.add_blocks({"digits/client-0": 5.0})
         ledger.db.execute("UPDATE blocks SET allocated = 1.0")  # past the triggers, by hand
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={tmp_path / 'run'}", *RUN, f"privacy.ledger.path={ledger_path}"),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = python_run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path / 'run'}", *RUN, f"privacy.ledger.path={ledger_path}")
     )
     assert proc.returncode != 0
     assert proc.stderr.splitlines()[-1].startswith(

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, fl_env
+from conftest import python_run
 
 from privacy.dpbalance import make_scheduler
 from privacy.simulation import Workload, generate, simulate, summarize
@@ -51,7 +50,7 @@ def test_every_scheduler_runs_on_a_consistent_ledger():
 
 
 def test_cli_writes_table_json_and_plot(tmp_path):
-    proc = subprocess.run(
+    proc = python_run(
         [
             sys.executable,
             "-m",
@@ -71,11 +70,6 @@ def test_cli_writes_table_json_and_plot(tmp_path):
             "--out",
             str(tmp_path),
         ],
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "dpbalance_sim.json").read_text())

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import REPO, fl_env
+from conftest import python_run
 from omegaconf import DictConfig
 
 from fl.config import compose
@@ -258,14 +258,7 @@ def test_delta_is_stored_composed_and_checked(tmp_path):
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "privacy.cli", *map(str, args)],
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return python_run([sys.executable, "-m", "privacy.cli", *map(str, args)], timeout=60)
 
 
 def test_cli_refuses_a_missing_ledger_and_releases_and_cancels(tmp_path):

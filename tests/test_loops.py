@@ -143,7 +143,5 @@ def test_a_strategy_sets_its_own_semi_async_close_per_round(tmp_path: Path, monk
     monkeypatch.setattr(
         ServerStrategy, "arrivals_to_close", lambda self, rnd: 1 if rnd == 2 else None
     )
-    rows = _run(
-        tmp_path, "rounds=3", "loop=semi_async", "loop.buffer_k=2", "clients_per_round=4"
-    )
+    rows = _run(tmp_path, "rounds=3", "loop=semi_async", "loop.buffer_k=2", "clients_per_round=4")
     assert [r["replies"] for r in rows] == [2, 1, 2]  # an ASFL-style controller's choice

@@ -186,7 +186,7 @@ RUN = [
 
 
 def test_pas_run_diversifies_periods_keeps_fedavg_payload_and_resumes(tmp_path):
-    run_fl(tmp_path / "full", *RUN, "rounds=10")
+    run_fl(tmp_path / "full", *RUN, "rounds=10", fresh=True)
     rows = read_metrics(tmp_path / "full")
     assert all(r["rejected"] == 0 and r["failed"] == 0 for r in rows)
     assert rows[0]["period_histogram"] == {"16": rows[0]["payload_bytes_up"] // 16}

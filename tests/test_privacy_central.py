@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 
+import forkrun
 import pytest
 import torch
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics
+from conftest import fl_run_cmd, python_popen, python_run, read_metrics
 
 from fl.config import ConfigError, compose, validate
 from fl.records import Layout
@@ -16,18 +17,11 @@ from fl.task import get_task
 RUN = ["privacy=central", "num_clients=4", "clients_per_round=4", "rounds=3", "local_epochs=1"]
 
 
-def _start(run_dir, *overrides: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
-        cwd=REPO,
-        env=fl_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _start(run_dir, *overrides: str) -> forkrun.ForkedProcess | subprocess.Popen[str]:
+    return python_popen(fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides))
 
 
-def _finish(proc: subprocess.Popen[str]) -> None:
+def _finish(proc: forkrun.ForkedProcess | subprocess.Popen[str]) -> None:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
 
@@ -74,14 +68,7 @@ def test_invalid_central_dp_options_are_refused_by_name(override, message):
 def test_fl_run_refuses_apf_under_central_dp_in_one_line_naming_both(tmp_path):
     # APF's clients keep the frozen scalars the server never resends: central DP's noise
     # on them would leave clients and server with different models
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={tmp_path}", "strategy=apf", *RUN),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={tmp_path}", "strategy=apf", *RUN), timeout=120)
     assert proc.returncode != 0
     refusal = [line for line in proc.stderr.splitlines() if "strategy=apf" in line]
     assert len(refusal) == 1 and "privacy=central" in refusal[0], proc.stderr[-2000:]

@@ -10,7 +10,15 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
+from conftest import (
+    REPO,
+    fl_env,
+    fl_run_cmd,
+    python_popen,
+    read_metrics,
+    run_fl,
+    without_wall_time,
+)
 from flwr.app import ConfigRecord, RecordDict
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -181,13 +189,9 @@ def _opacus_epsilon(sigma: float, rate: float, steps: int) -> float:
 
 def test_reported_epsilon_is_opacus_epsilon_and_dp_degrades_gracefully(tmp_path):
     runs = [  # two real runs at once (2 cores)
-        subprocess.Popen(
+        python_popen(
             fl_run_cmd(f"hydra.run.dir={tmp_path / name}", *RUN, f"privacy.target_epsilon={eps}"),
-            cwd=REPO,
-            env=fl_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            capture=False,
         )
         for name, eps in (("loose", 8), ("tight", 1))
     ]

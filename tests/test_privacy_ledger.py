@@ -11,23 +11,17 @@ import sys
 import textwrap
 import time
 
+import forkrun
 import pytest
-from conftest import REPO, fl_env
+from conftest import python_popen
 
 from privacy.dpbalance import DPBalance, Grant, Pipeline
 from privacy.ledger import BudgetExceeded, Ledger, LedgerError
 
 
-def _python(code: str, *args: str) -> subprocess.Popen[str]:
+def _python(code: str, *args: str) -> forkrun.ForkedProcess | subprocess.Popen[str]:
     """A real child process running `code` (argv[1:] = args) from the repository root."""
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=REPO,
-        env=fl_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return python_popen([sys.executable, "-c", textwrap.dedent(code), *args], stream=True)
 
 
 def test_grants_and_charges_keep_every_invariant(tmp_path):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import pytest
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
+from conftest import fl_run_cmd, python_popen, python_run, read_metrics, run_fl, without_wall_time
 
 RUN = [
     "num_clients=8",
@@ -20,12 +19,8 @@ RUN = [
 
 def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
     """Start a run, SIGKILL it once metrics.jsonl has `rows` rows; return rows written."""
-    proc = subprocess.Popen(
-        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides),
-        cwd=REPO,
-        env=fl_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = python_popen(
+        fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides), capture=False, stderr=False
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -54,7 +49,7 @@ def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
 )
 def test_killed_run_resumes_to_identical_metrics(tmp_path, strategy):
     run = [*RUN, *strategy]
-    run_fl(tmp_path / "full", *run)
+    run_fl(tmp_path / "full", *run, fresh=True)  # own hash seed: forked runs share one
     written = _kill_after_rows(tmp_path / "killed", 3, *run)
     assert 3 <= written < 12
     run_fl(tmp_path / "killed", *run, "resume=true")
@@ -67,13 +62,8 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, strategy):
 
 
 def test_resume_without_checkpoint_says_where_it_looked(tmp_path):
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={tmp_path}", "resume=true", "rounds=2"),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = python_run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path}", "resume=true", "rounds=2"), timeout=120
     )
     assert proc.returncode != 0
     assert f"no checkpoint at {tmp_path}/checkpoint.pt" in proc.stderr

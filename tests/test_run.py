@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
+from conftest import fl_run_cmd, python_run, read_metrics, run_fl, without_wall_time
 
 ROW_KEYS = {"round", "accuracy", "loss", "bytes_up", "bytes_down", "virtual_time_s", "wall_time_s"}
 
@@ -35,7 +34,8 @@ def test_run_writes_every_output(tmp_path, tiny_overrides):
 
 def test_same_seed_gives_identical_metrics(tmp_path, tiny_overrides):
     run_fl(tmp_path / "a", *tiny_overrides, "system=heterogeneous")
-    run_fl(tmp_path / "b", *tiny_overrides, "system=heterogeneous")
+    # a new interpreter: its own string-hash seed (forked runs share one)
+    run_fl(tmp_path / "b", *tiny_overrides, "system=heterogeneous", fresh=True)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert without_wall_time(a) == without_wall_time(b)
     run_fl(tmp_path / "c", *tiny_overrides, "system=heterogeneous", "seed=1")
@@ -54,13 +54,8 @@ def test_same_seed_gives_identical_metrics(tmp_path, tiny_overrides):
     ],
 )
 def test_bad_config_fails_before_round_one_naming_the_key(tmp_path, override, named):
-    proc = subprocess.run(
-        fl_run_cmd(f"hydra.run.dir={tmp_path}", "strategy=fedprox", override),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = python_run(
+        fl_run_cmd(f"hydra.run.dir={tmp_path}", "strategy=fedprox", override), timeout=120
     )
     assert proc.returncode != 0
     assert named in proc.stderr + proc.stdout
@@ -84,7 +79,7 @@ def test_fedprox_on_synthetic_iid_learns(tmp_path):
 
 
 def test_multirun_sweep_runs_every_combination(tmp_path):
-    proc = subprocess.run(
+    proc = python_run(
         fl_run_cmd(
             "-m",
             "experiment=smoke",
@@ -92,10 +87,6 @@ def test_multirun_sweep_runs_every_combination(tmp_path):
             "seed=0,1",
             f"hydra.sweep.dir={tmp_path}",
         ),
-        cwd=REPO,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

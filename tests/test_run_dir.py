@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, fl_env, fl_run_cmd, read_metrics, run_fl, without_wall_time
+from conftest import REPO, fl_run_cmd, python_run, read_metrics, run_fl, without_wall_time
 
 from server.checkpoint import CheckpointError, check_resumable, load_checkpoint
 
@@ -31,14 +31,7 @@ RUN = [
 
 def _fl(run_dir: Path, *overrides: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     args = [f"hydra.run.dir={run_dir}"] if run_dir else []
-    return subprocess.run(
-        fl_run_cmd(*args, *overrides),
-        cwd=cwd,
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python_run(fl_run_cmd(*args, *overrides), cwd=cwd)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -61,7 +54,8 @@ def runs(tmp_path_factory) -> Path:
     """A 3-round run (to resume from) and the uninterrupted 5-round run it must match."""
     root = tmp_path_factory.mktemp("runs")
     run_fl(root / "three", *RUN, "rounds=3")
-    run_fl(root / "five", *RUN, "rounds=5")
+    # the reference in a new interpreter: forked resumes must match it (own hash seed)
+    run_fl(root / "five", *RUN, "rounds=5", fresh=True)
     return root
 
 
@@ -215,13 +209,6 @@ def test_resume_latest_without_any_run_says_so(tmp_path):
 def test_version_prints_the_project_version():
     from importlib.metadata import version
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "fl.run", "--version"],
-        env=fl_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    proc = python_run([sys.executable, "-m", "fl.run", "--version"], timeout=120)
     assert proc.returncode == 0
     assert proc.stdout.startswith(f"adaptive-fl {version('adaptive-fl')} (flwr 1.42")
