@@ -1,7 +1,11 @@
 """The Flower ClientApp: local training with the run's strategy hooks, and evaluation.
 
 Runs unchanged on every engine; the strategy is looked up by name in the registry,
-and per-client memory lives in the node's `Context.state`.
+and per-client memory lives in the node's `Context.state`. Its data partition is the
+node config's `partition-id`; with a run config that carries none of ours (a stock Flower
+ServerApp, as in Flower's templates) the run is our defaults split into the node config's
+`num-partitions`. An instruction for another strategy, or another contract version, gets
+an error reply naming both (`fl.contract`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from omegaconf import DictConfig
 
 from clients.trainer import TrainSettings, train_locally
 from fl.codec import decode, payload_traffic
-from fl.config import from_run_config, plain, run_config_key
+from fl.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
+from fl.contract import mismatch_reply
 from fl.faults import fault_mod
 from fl.hooks import ClientTime
 from fl.registry import StrategySpec, get_strategy
@@ -70,21 +75,52 @@ def _make_setup(cfg: DictConfig) -> _Setup:
     return _Setup(cfg.seed, get_task(cfg), spec, params, settings, DPSGD.from_config(cfg))
 
 
+def _node_int(context: Context, key: str, low: int) -> int:
+    """An integer of the node config, or a ValueError saying how to set it."""
+    value = context.node_config.get(key)
+    try:
+        number = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = -1
+    if isinstance(value, bool) or number < low:
+        raise ValueError(
+            f"node config {key}={value!r}: this ClientApp needs integers partition-id >= 0 "
+            "and num-partitions >= 1 (flower-supernode --node-config "
+            "'partition-id=0 num-partitions=10'; Flower's simulation sets both)"
+        )
+    return number
+
+
+def _run_config(context: Context) -> dict[str, Any]:
+    """The run config, or our defaults split into the node config's `num-partitions`
+    when it carries none of ours (a stock Flower ServerApp)."""
+    if RUN_CONFIG_KEY in context.run_config or "overrides" in context.run_config:
+        return dict(context.run_config)
+    n = _node_int(context, "num-partitions", 1)
+    return {"overrides": f"num_clients={n} clients_per_round={n}"}
+
+
 def _setup_of(context: Context) -> _Setup:
-    key = run_config_key(context.run_config)
+    run_config = _run_config(context)
+    key = run_config_key(run_config)
     if key not in _SETUPS:
-        _SETUPS[key] = _make_setup(from_run_config(context.run_config))
+        _SETUPS[key] = _make_setup(from_run_config(run_config))
     return _SETUPS[key]
 
 
 def _partition(context: Context) -> int:
-    return int(context.node_config["partition-id"])
+    """The node's partition, within the run's clients."""
+    partition = _node_int(context, "partition-id", 0)
+    clients = int(from_run_config(_run_config(context)).num_clients)
+    if partition >= clients:
+        raise ValueError(f"node config partition-id={partition}: the run has {clients} clients")
+    return partition
 
 
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
-    """Tell the server which data partition this node holds."""
-    record = ConfigRecord({"partition-id": _partition(context)})
+    """Tell the server which data partition this node holds (it checks the range itself)."""
+    record = ConfigRecord({"partition-id": _node_int(context, "partition-id", 0)})
     return Message(RecordDict({"info": record}), reply_to=msg)
 
 
@@ -92,10 +128,13 @@ def info(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """One round of local training; the strategy's hooks shape it and encode the reply."""
     setup = _setup_of(context)
+    config = msg.content.config_records["config"]
+    refusal = mismatch_reply(msg, config, setup.spec.name)
+    if refusal is not None:
+        return refusal
     partition = _partition(context)
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
-    config = msg.content.config_records["config"]
     hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
     hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)

@@ -28,6 +28,7 @@ __all__ = [
     "DeviceProfile",
     "Job",
     "SpeedTrace",
+    "ToggleTrace",
     "VirtualClock",
     "build_profiles",
     "clock_from_config",
@@ -62,6 +63,18 @@ def _spread(rng: np.random.Generator, base: float, ratio: float, n: int) -> np.n
     return base * np.exp(rng.uniform(-half, half, n))
 
 
+def _lognormal(rng: np.random.Generator, median: float, ratio: float, n: int) -> np.ndarray:
+    """`n` log-normal values around `median`, sigma = ln(ratio)/4, cut at +-2 sigma: the
+    bulk near the median, max/min at most `ratio` (FedCA's base speeds, spec §6.9)."""
+    if ratio <= 1.0:
+        return np.full(n, median)
+    sigma = np.log(ratio) / 4
+    return median * np.exp(sigma * np.clip(rng.standard_normal(n), -2.0, 2.0))
+
+
+SPEED_DISTRIBUTIONS = {"loguniform": _spread, "lognormal": _lognormal}
+
+
 def build_profiles(
     num_clients: int,
     *,
@@ -72,10 +85,19 @@ def build_profiles(
     availability: float = 1.0,
     speed_spread: float = 1.0,
     bandwidth_spread: float = 1.0,
+    speed_distribution: str = "loguniform",
 ) -> list[DeviceProfile]:
-    """Seeded profiles; a spread of 1 gives identical devices, 20 a 20x fastest/slowest gap."""
+    """Seeded profiles; a spread of 1 gives identical devices, 20 a 20x fastest/slowest gap.
+
+    Speeds are log-uniform over the spread, or log-normal within it (`lognormal`).
+    """
+    if speed_distribution not in SPEED_DISTRIBUTIONS:
+        raise ValueError(
+            f"system.speed_distribution must be one of {sorted(SPEED_DISTRIBUTIONS)}, "
+            f"not {speed_distribution!r}"
+        )
     rng = np.random.default_rng([seed, 0xC10C])
-    speeds = _spread(rng, speed, speed_spread, num_clients)
+    speeds = SPEED_DISTRIBUTIONS[speed_distribution](rng, speed, speed_spread, num_clients)
     ups = _spread(rng, up_mbps * MBIT, bandwidth_spread, num_clients)
     downs = _spread(rng, down_mbps * MBIT, bandwidth_spread, num_clients)
     return [
@@ -180,6 +202,86 @@ class SpeedTrace:
             load = self.rho * load + (1 - self.rho) * self.mean + self.sigma * eps
             load = min(max(load, 0.0), 0.95)
             loads.append(load)
+
+
+class ToggleTrace:
+    """Seeded fast/slow toggling per client (FedCA §5.1, spec §6.9).
+
+    Each client alternates fast periods (full speed) lasting ~Gamma(shape, fast_scale_s)
+    and slow periods lasting ~Gamma(shape, slow_scale_s), in each of which it trains at
+    1/s of its speed with s ~ U(slowdown_low, slowdown_high). A client starts fast or
+    slow with the share of time each mode takes. Periods are drawn lazily from each
+    client's own generator, so a multiplier never depends on the order of requests.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        num_clients: int,
+        *,
+        shape: float = 2.0,
+        fast_scale_s: float = 0.4,
+        slow_scale_s: float = 0.06,
+        slowdown_low: float = 1.0,
+        slowdown_high: float = 5.0,
+    ) -> None:
+        for name, value in (
+            ("toggle_shape", shape),
+            ("toggle_fast_scale_s", fast_scale_s),
+            ("toggle_slow_scale_s", slow_scale_s),
+        ):
+            if not (_is_number(value) and value > 0):
+                raise ValueError(f"toggle trace: {name} must be a positive number, got {value!r}")
+        if not (_is_number(slowdown_low) and _is_number(slowdown_high)):
+            raise ValueError("toggle trace: slowdown bounds must be finite numbers")
+        if not 1.0 <= slowdown_low <= slowdown_high:
+            raise ValueError(
+                f"toggle trace: need 1 <= slowdown_low <= slowdown_high, "
+                f"got {slowdown_low!r}, {slowdown_high!r}"
+            )
+        self.seed, self.num_clients = seed, num_clients
+        self.shape, self.fast_scale_s, self.slow_scale_s = shape, fast_scale_s, slow_scale_s
+        self.slowdown = (float(slowdown_low), float(slowdown_high))
+        self._ends: dict[int, list[float]] = {}  # end of each period, increasing
+        self._multipliers: dict[int, list[float]] = {}  # speed fraction in each period
+        self._rngs: dict[int, np.random.Generator] = {}
+        self._slow_next: dict[int, bool] = {}
+
+    def multiplier(self, partition: int, t: float) -> float:
+        """Fraction of its full speed that `partition` has at virtual time `t`."""
+        if t < 0:
+            raise ValueError(f"toggle trace: negative time {t}")
+        ends = self._grow(partition, t)
+        return self._multipliers[partition][bisect.bisect_right(ends, t)]
+
+    def next_change(self, t: float) -> float:
+        """The first toggle of any client after `t` (every client, so that the event
+        sequence does not depend on which clients were asked before a resume)."""
+        return min(
+            (ends := self._grow(p, t))[bisect.bisect_right(ends, t)]
+            for p in range(self.num_clients)
+        )
+
+    def _grow(self, partition: int, t: float) -> list[float]:
+        """`partition`'s periods, drawn until one ends after `t`."""
+        if not 0 <= partition < self.num_clients:
+            raise ValueError(f"toggle trace has no client {partition}")
+        if partition not in self._rngs:
+            rng = np.random.default_rng([self.seed, partition, 0x7066])
+            self._rngs[partition] = rng
+            fast_share = self.fast_scale_s / (self.fast_scale_s + self.slow_scale_s)
+            self._slow_next[partition] = bool(rng.random() >= fast_share)
+            self._ends[partition], self._multipliers[partition] = [], []
+        ends, rng = self._ends[partition], self._rngs[partition]
+        while not ends or ends[-1] <= t:
+            slow = self._slow_next[partition]
+            scale = self.slow_scale_s if slow else self.fast_scale_s
+            start = ends[-1] if ends else 0.0
+            ends.append(start + float(rng.gamma(self.shape, scale)))
+            factor = float(rng.uniform(*self.slowdown)) if slow else 1.0
+            self._multipliers[partition].append(1.0 / factor)
+            self._slow_next[partition] = not slow
+        return ends
 
 
 class AvailabilityTrace:
@@ -374,7 +476,7 @@ class VirtualClock:
         now: float = 0.0,
         *,
         server_bytes_per_s: float = math.inf,
-        speed_trace: SpeedTrace | None = None,
+        speed_trace: SpeedTrace | ToggleTrace | None = None,
         availability_trace: AvailabilityTrace | None = None,
     ) -> None:
         if not server_bytes_per_s > 0:
@@ -651,12 +753,18 @@ _OPTIONAL_KEYS = (
     "availability",
     "speed_spread",
     "bandwidth_spread",
+    "speed_distribution",
     "server_bandwidth_mbps",
     "speed_trace",
     "trace_slot_s",
     "load_mean",
     "load_rho",
     "load_sigma",
+    "toggle_shape",
+    "toggle_fast_scale_s",
+    "toggle_slow_scale_s",
+    "slowdown_low",
+    "slowdown_high",
     "availability_trace",
     "mean_online_s",
     "mean_offline_s",
@@ -672,7 +780,7 @@ def clock_from_config(options: Mapping[str, Any], num_clients: int, seed: int) -
     missing = [k for k in _PROFILE_KEYS if k not in given]
     if missing:
         raise ValueError(f"missing system options: {missing}")
-    spreads = ("availability", "speed_spread", "bandwidth_spread")
+    spreads = ("availability", "speed_spread", "bandwidth_spread", "speed_distribution")
     profiles = build_profiles(
         num_clients, seed=seed, **{k: given[k] for k in (*_PROFILE_KEYS, *spreads) if k in given}
     )
@@ -681,18 +789,30 @@ def clock_from_config(options: Mapping[str, Any], num_clients: int, seed: int) -
         profiles,
         seed,
         server_bytes_per_s=math.inf if server_mbps is None else server_mbps * MBIT,
-        speed_trace=_speed_trace(given, seed),
+        speed_trace=_speed_trace(given, num_clients, seed),
         availability_trace=_availability_trace(given, num_clients, seed),
     )
 
 
-def _speed_trace(given: Mapping[str, Any], seed: int) -> SpeedTrace | None:
-    """`speed_trace: ar1` with its optional slot and load parameters."""
+def _speed_trace(
+    given: Mapping[str, Any], num_clients: int, seed: int
+) -> SpeedTrace | ToggleTrace | None:
+    """`speed_trace: ar1` (slot and load parameters) or `toggle` (period parameters)."""
     kind = given.get("speed_trace")
     if kind is None:
         return None
+    if kind == "toggle":
+        toggles = {
+            "toggle_shape": "shape",
+            "toggle_fast_scale_s": "fast_scale_s",
+            "toggle_slow_scale_s": "slow_scale_s",
+            "slowdown_low": "slowdown_low",
+            "slowdown_high": "slowdown_high",
+        }
+        options = {v: given[k] for k, v in toggles.items() if k in given}
+        return ToggleTrace(seed, num_clients, **options)
     if kind != "ar1":
-        raise ValueError(f"system.speed_trace must be 'ar1' or null, not {kind!r}")
+        raise ValueError(f"system.speed_trace must be 'ar1', 'toggle' or null, not {kind!r}")
     names = {
         "trace_slot_s": "slot_s",
         "load_mean": "mean",

@@ -24,7 +24,14 @@ from omegaconf import DictConfig
 
 __all__ = ["ComparisonCallback", "Run", "compare_runs", "find_runs", "load_run", "main"]
 
-DIAGNOSTICS = ("frozen_fraction", "local_steps", "consistency", "mean_period", "epsilon_max")
+DIAGNOSTICS = (
+    "frozen_fraction",
+    "speculated_fraction",
+    "local_steps",
+    "consistency",
+    "mean_period",
+    "epsilon_max",
+)
 
 
 class Run(NamedTuple):

@@ -223,11 +223,13 @@ def _validate_faults_and_system(cfg: DictConfig) -> None:
 
 def _validate_loop(cfg: DictConfig) -> None:
     """The loop kind and its options, and whether the strategy takes replies that land late."""
-    from fl.loops import LATE_POLICIES, LOOP_KINDS
+    from fl.loops import ARRIVAL_ORDERS, LATE_POLICIES, LOOP_KINDS
     from fl.registry import get_strategy
 
     _one_of(cfg, "loop.kind", LOOP_KINDS)
     _one_of(cfg, "loop.late", LATE_POLICIES)
+    if OmegaConf.select(cfg, "loop.arrival") is not None:
+        _one_of(cfg, "loop.arrival", ARRIVAL_ORDERS)
     _number(cfg, "loop.deadline_s", 0, strict=True, null=True)
     _number(cfg, "loop.first_k_fraction", 0, 1, strict=True, null=True)
     _number(cfg, "loop.staleness_exponent", 0)
@@ -420,9 +422,15 @@ def _validate_strategy(cfg: DictConfig) -> None:
                 _has_type(value, hint), f"strategy.{key}", value, f"must be {_type_name(hint)}"
             )
     try:
-        spec.make_params(values)
+        params = spec.make_params(values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid config: strategy: {err}") from err
+    check_run = getattr(params, "validate_run", None)  # the params against the run's keys
+    if check_run is not None:
+        try:
+            check_run(cfg)
+        except ValueError as err:
+            raise ConfigError(f"invalid config: {err}") from err
 
 
 def _validate_privacy_with_strategy(cfg: DictConfig) -> None:

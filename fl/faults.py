@@ -55,6 +55,8 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     faults = cfg.get("faults")
     if not faults or msg.metadata.message_type != "train":
         return call_next(msg, context)
+    if "partition-id" not in context.node_config:  # the ClientApp says what is missing
+        return call_next(msg, context)
     server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
     partition = int(context.node_config["partition-id"])
     kind = draw_fault(cfg.seed, server_round, partition, dict(faults))

@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
 from fl.records import Layout, vector_to_arrays, wire_dtype
 from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
+from fl.roundrobin import RoundRobin
 from fl.sync import Synced, SyncServer
 
 __all__ = ["ClientUpdate", "ReplyInfo", "RoundStats", "ServerStrategy", "UploadParts"]
@@ -51,6 +52,7 @@ class ReplyInfo:
     staleness: int  # rounds the global model moved on between sending and this round
     arrived_s: float  # virtual seconds since training began
     base: torch.Tensor  # the global vector the instruction carried
+    sent_s: float = 0.0  # when its round trip began (virtual: the download's start)
 
 
 @dataclass
@@ -126,7 +128,8 @@ class ServerStrategy(FedAvg):
         self.example_bounds: ExampleBounds | None = None
         self.layout: Layout | None = None
         self.global_vector = torch.empty(0)
-        self.stats = RoundStats()
+        self.stats = RoundStats()  # of the current round, over all its exchanges
+        self._stats_round = 0  # the round `stats` belongs to
         self.reachable: Callable[[int, list[int]], list[int]] = lambda rnd, nodes: nodes
         self.wanted: int | None = None  # nodes to select this round (loop's choice), else k
         self.reply_info: dict[int, ReplyInfo] = {}  # set by the loop before aggregation
@@ -183,6 +186,21 @@ class ServerStrategy(FedAvg):
     def on_round_start(self, server_round: int) -> None:
         """Called once per round, after the global model is known, before any message."""
 
+    def another_exchange(self, server_round: int, done: int) -> bool:
+        """Whether round `server_round` runs one more exchange after its `done`-th.
+
+        Each exchange is a configure_train / aggregate_train pass through the loop (bytes,
+        time, faults and privacy counted as for any round); `stats` and the metrics row
+        cover them all. One per round by default.
+        """
+        return False
+
+    def on_round_end(
+        self, server_round: int, accuracy: float, loss: float, virtual_time_s: float
+    ) -> None:
+        """Called once per round after evaluation, with the new global model's accuracy and
+        loss and the virtual time the round ended at (for controllers such as ASFL's)."""
+
     def sync_specs(self) -> tuple[Synced, ...]:
         """Tensors this strategy's clients keep copies of (`fl.sync`); none by default."""
         return ()
@@ -212,12 +230,16 @@ class ServerStrategy(FedAvg):
             self.layout = Layout.of(arrays.to_torch_state_dict())
         self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
         self._dense_payload = encode_dense(self.global_vector, self.layout)
-        self.on_round_start(server_round)
-        if self.sync is not None:
-            self.sync.publish(server_round, self.synced())
+        first = server_round != self._stats_round  # a round's later exchanges add to it
+        if first:
+            self.on_round_start(server_round)
+            if self.sync is not None:
+                self.sync.publish(server_round, self.synced())
         nodes = sorted(grid.get_node_ids())
         chosen = self.select(server_round, self.reachable(server_round, nodes))
-        self.stats = RoundStats(sent=list(chosen))
+        if first:
+            self.stats, self._stats_round = RoundStats(), server_round
+        self.stats.sent.extend(chosen)
         messages = []
         for node_id in chosen:
             node_config = ConfigRecord(
@@ -340,8 +362,8 @@ class ServerStrategy(FedAvg):
                 sent = info.sent_round if info is not None else self.sync.current
                 self.sync.confirm(node, sent)
         self._normalise_unbounded(updates)
-        self.stats.accepted = len(updates)
-        self.stats.updates = updates
+        self.stats.accepted += len(updates)
+        self.stats.updates.extend(updates)
         return updates
 
     def give_up(self, nodes: Iterable[int]) -> None:
@@ -412,10 +434,21 @@ class ServerStrategy(FedAvg):
         ASFL's picks it per round); None: the loop's `buffer_k`."""
         return None
 
+    def group_schedule(self) -> RoundRobin | None:
+        """The order and start times of groups under `loop=groups` (R2SP's round-robin
+        schedule, `fl.roundrobin`); None: every idle group starts at once."""
+        return None
+
     def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
         """How a reply leaves the client: all at the end of training by default; a
         strategy that sends parts early (PAS's period groups) says when each may go."""
         return ((1.0, up_bytes),)
+
+    def reply_parts(self, reply: Message, up_bytes: int) -> UploadParts:
+        """How this reply leaves its client, for the clock: `upload_parts` of its node by
+        default; a strategy whose client decides when parts leave (FedCA's eager layers)
+        reads the reply's own account here, bounded by what the reply holds."""
+        return self.upload_parts(reply.metadata.src_node_id, up_bytes)
 
     # ----- diagnostics and resume -------------------------------------------------------
     def diagnostics(self) -> dict[str, Any]:

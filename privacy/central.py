@@ -72,8 +72,9 @@ class FixedDenominator:
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The inner aggregate, its move from the global model scaled by accepted / sampled."""
         before = self.inner.global_vector.clone()
+        accepted_before = self.inner.stats.accepted  # of the round's earlier exchanges
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        accepted = self.inner.stats.accepted
+        accepted = self.inner.stats.accepted - accepted_before
         if arrays is None or accepted >= self.sampled:
             return arrays, metrics
         layout = self.inner.layout

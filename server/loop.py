@@ -7,6 +7,7 @@ message puts on the link, advances the virtual clock, and makes the run resumabl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -23,8 +24,9 @@ from fl.clock import VirtualClock, clock_from_config
 from fl.codec import Traffic, payload_traffic
 from fl.config import plain
 from fl.console import RoundReporter
+from fl.contract import check_reply_error, stamp
 from fl.errors import RunError
-from fl.loops import LoopSettings, RoundDriver, loop_settings
+from fl.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
 from fl.registry import get_strategy
 from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -129,18 +131,23 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     aggregation_s = float(system.pop("aggregation_s_per_update", 0.0))
     clock = clock_from_config(system, cfg.num_clients, cfg.seed)
     settings = loop_settings(cfg)
-    deadline_s = _deadline_s(cfg, task, clock)
-    driver = RoundDriver(settings, clock, partitions, deadline_s)
+    progress, state = Progress(), task.new_model().state_dict()
+    rows: list[dict[str, Any]] = []
+    if saved is not None:
+        progress, state, rows = _restore(saved, strategy, grid)
+    real = None
+    if settings.arrival == "real":
+        real = RealArrivals(grid, partitions, started_s=progress.virtual_time_s)
+    deadline_s = _deadline_s(cfg, task, clock, real)
+    schedule = strategy.group_schedule()  # R2SP: groups start in turn
+    driver = RoundDriver(settings, clock, partitions, deadline_s, real, schedule)
     strategy.attach(
         reachable=lambda rnd, nodes: driver.idle(_reachable(clock, partitions, rnd, nodes)),
         extra_config=lambda node: _time_view(clock, partitions[node], driver.client_deadline_s),
         staleness_exponent=settings.staleness_exponent,
     )
 
-    progress, state = Progress(), task.new_model().state_dict()
-    rows: list[dict[str, Any]] = []
     if saved is not None:
-        progress, state, rows = _restore(saved, strategy, grid)
         driver.load_state_dict(saved["loop"])
     arrays = ArrayRecord(state)
     privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
@@ -159,34 +166,43 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if progress.virtual_time_s >= budget:
             log.info("virtual-time budget of %s s reached after round %d", budget, progress.round)
             break
+        driver.sync_clock()
         started, started_s = time.perf_counter(), clock.now
-        reachable = len(
-            driver.idle(_reachable(clock, partitions, server_round, sorted(partitions)))
-        )
-        strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
-        config = ConfigRecord(privacy.train_config())
-        messages = list(strategy.configure_train(server_round, arrays, config, grid))
-        chosen = [partitions[m.metadata.dst_node_id] for m in messages]
-        stop = stop or privacy.admit(server_round, chosen)
-        if stop:  # over the privacy budget: end here, keeping the model so far
-            log.warning("%s", stop)
+        up: list[Traffic] = []
+        down: list[Traffic] = []
+        sent = 0
+        for exchange in itertools.count(1):  # one, unless the strategy asks for more
+            exchange_s = clock.now
+            reachable = len(
+                driver.idle(_reachable(clock, partitions, server_round, sorted(partitions)))
+            )
+            strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
+            config = ConfigRecord({**privacy.train_config(), **stamp(str(cfg.strategy.name))})
+            messages = list(strategy.configure_train(server_round, arrays, config, grid))
+            chosen = [partitions[m.metadata.dst_node_id] for m in messages]
+            stop = stop or privacy.admit(server_round, chosen)
+            if stop:  # over the privacy budget: end here, keeping the model so far
+                log.warning("%s", stop)
+                break
+            landed, asked_down = _send(
+                server_round, exchange_s, messages, strategy, driver, grid, cfg, task, partitions
+            )
+            for reply in landed.replies:  # a ClientApp running another half stops the run
+                check_reply_error(reply)
+            accepted_before = strategy.stats.accepted
+            new_arrays, _ = strategy.aggregate_train(server_round, landed.replies)
+            strategy.give_up(landed.given_up)
+            arrays = new_arrays if new_arrays is not None else arrays
+            up, down, sent = up + landed.up, down + asked_down, sent + len(messages)
+            if real is None:  # the server's own work
+                clock.wait(aggregation_s * (strategy.stats.accepted - accepted_before))
+            if not strategy.another_exchange(server_round, exchange):
+                break
+        if sent == 0 and stop:
             break
-        down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
-        asked = {m.metadata.dst_node_id: _asked_samples(m, cfg, task, partitions) for m in messages}
-        wait_s = cfg.round_timeout_s or REPLY_WAIT_S
-        replies = list(grid.send_and_receive(messages, timeout=wait_s)) if messages else []
-        missing = driver.dispatch(
-            server_round, strategy.global_vector, replies, down, asked, strategy.upload_parts
-        )
-        close_at = strategy.arrivals_to_close(server_round)
-        landed = driver.close(server_round, started_s, len(messages), missing, close_at)
-        strategy.expect(landed.info)
-        # bytes as received (also of replies rejected below), never as a client declares them
-        new_arrays, _ = strategy.aggregate_train(server_round, landed.replies)
-        strategy.give_up(landed.given_up)
-        arrays = new_arrays if new_arrays is not None else arrays
         accuracy, loss = evaluate_global(task, arrays)
-        clock.wait(aggregation_s * strategy.stats.accepted)  # the server's own work
+        driver.sync_clock()
+        strategy.on_round_end(server_round, accuracy, loss, clock.now)
 
         progress.round = server_round
         progress.virtual_time_s = clock.now
@@ -195,8 +211,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "round": server_round,
             "accuracy": accuracy,
             "loss": loss,
-            **progress.add_traffic(landed.up, down.values()),
-            "clients": len(messages),
+            **progress.add_traffic(up, down),
+            "clients": sent,
             "replies": strategy.stats.accepted,
             "round_time_s": clock.now - started_s,
             "virtual_time_s": progress.virtual_time_s,
@@ -208,7 +224,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         run_log.append(row)
         progress.extra["privacy"] = privacy.state_dict()
         reporter.round_done(row)
-        last = server_round == cfg.rounds or progress.virtual_time_s >= budget
+        last = server_round == cfg.rounds or progress.virtual_time_s >= budget or bool(stop)
         if server_round % cfg.checkpoint_every == 0 or last:
             save_checkpoint(
                 checkpoint_path,
@@ -223,6 +239,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "rng": rng_state(),
                 },
             )
+        if stop:  # the privacy budget ended the round's exchanges: no further round
+            break
     privacy.finish()
     if stop and progress.round == 0:
         raise RunError(f"{stop}; no round was trained, so no model was written")
@@ -230,6 +248,35 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     summary = run_log.finish(privacy.summary())
     reporter.close(summary, out_dir)
     return summary
+
+
+def _send(
+    server_round: int,
+    started_s: float,
+    messages: list[Message],
+    strategy: ServerStrategy,
+    driver: RoundDriver,
+    grid: Grid,
+    cfg: DictConfig,
+    task: Task,
+    partitions: dict[int, int],
+) -> tuple[Landed, list[Traffic]]:
+    """Send one exchange's instructions and wait for its close: what landed, bytes sent."""
+    down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
+    if driver.real is not None:
+        driver.push(server_round, strategy.global_vector, messages, down)
+        missing: list[int] = []
+    else:
+        asked = {m.metadata.dst_node_id: _asked_samples(m, cfg, task, partitions) for m in messages}
+        wait_s = cfg.round_timeout_s or REPLY_WAIT_S
+        replies = list(grid.send_and_receive(messages, timeout=wait_s)) if messages else []
+        missing = driver.dispatch(
+            server_round, strategy.global_vector, replies, down, asked, strategy.reply_parts
+        )
+    close_at = strategy.arrivals_to_close(server_round)
+    landed = driver.close(server_round, started_s, len(messages), missing, close_at)
+    strategy.expect(landed.info)
+    return landed, list(down.values())
 
 
 def _staleness(updates: list[ClientUpdate], settings: LoopSettings) -> dict[str, Any]:
@@ -261,10 +308,13 @@ def _system_options(cfg: DictConfig) -> dict[str, Any]:
     return options
 
 
-def _deadline_s(cfg: DictConfig, task: Task, clock: VirtualClock) -> float:
-    """Virtual seconds the server waits for a round's replies.
+def _deadline_s(
+    cfg: DictConfig, task: Task, clock: VirtualClock, real: RealArrivals | None
+) -> float:
+    """Seconds the server waits for a round's replies (wall seconds for real arrivals).
 
-    `loop.deadline_s`, else `round_timeout_s`, else DEADLINE_FACTOR times the round of the
+    `loop.deadline_s`, else `round_timeout_s`, else for real arrivals REPLY_WAIT_S, and
+    for virtual ones DEADLINE_FACTOR times the round of the
     slowest device doing the configured work on the largest partition with a dense model
     both ways, plus every selected client's transfers queued on the server link (our
     choice of default: the papers we follow do not fix one).
@@ -272,6 +322,8 @@ def _deadline_s(cfg: DictConfig, task: Task, clock: VirtualClock) -> float:
     for value in (cfg.loop.get("deadline_s"), cfg.round_timeout_s):
         if value is not None:
             return float(value)
+    if real is not None:
+        return REPLY_WAIT_S
     largest = max(len(p) for p in task.partitions)
     samples = _samples(cfg.local_steps, cfg.batch_size, cfg.local_epochs, largest)
     model_bytes = 4 * task.layout.numel  # float32 on the wire

@@ -391,7 +391,7 @@ def test_clock_from_config_reads_the_system_keys(tmp_path):
     ("extra", "problem"),
     [
         ({"bandwith_mbps": 3}, "unknown system options: \\['bandwith_mbps'\\]"),
-        ({"speed_trace": "gauss"}, "'ar1' or null"),
+        ({"speed_trace": "gauss"}, "'ar1', 'toggle' or null"),
         ({"availability_trace": "seeded"}, "seeded needs"),
         ({"speed_trace": "ar1", "load_rho": 2.0}, "rho must be in"),
     ],

@@ -145,3 +145,25 @@ def test_a_strategy_sets_its_own_semi_async_close_per_round(tmp_path: Path, monk
     )
     rows = _run(tmp_path, "rounds=3", "loop=semi_async", "loop.buffer_k=2", "clients_per_round=4")
     assert [r["replies"] for r in rows] == [2, 1, 2]  # an ASFL-style controller's choice
+
+
+def test_a_strategy_runs_several_exchanges_per_round_each_accounted(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from fl.strategy import ServerStrategy
+
+    one = _run(tmp_path / "one", "rounds=2", "clients_per_round=4")
+    monkeypatch.setattr(ServerStrategy, "another_exchange", lambda self, rnd, done: done < 3)
+    three = _run(tmp_path / "three", "rounds=2", "clients_per_round=4")
+    first, single = three[0], one[0]
+    assert first["clients"] == 3 * single["clients"] == 12
+    assert first["replies"] == 12 and first["missing"] == 0
+    assert first["bytes_down"] == 3 * single["bytes_down"]  # every exchange's bytes count
+    assert first["bytes_up"] == 3 * single["bytes_up"]
+    assert three[1]["cum_bytes_up"] == 6 * single["bytes_up"]
+    # time: the first exchange is the single run's round 1; two more follow it
+    assert first["round_time_s"] > 2 * single["round_time_s"]
+    assert three[1]["virtual_time_s"] == pytest.approx(
+        first["round_time_s"] + three[1]["round_time_s"]
+    )
+    assert first["loss"] < single["loss"]  # the model moved three times
