@@ -1,0 +1,86 @@
+"""FedSU preset: the comparison table at the last round every arm reached, and one plot of
+the share of scalars each arm leaves unsynchronised (FedSU's speculated, APF's frozen).
+
+`fl.compare` needs finished runs (summary.json); this reads metrics.jsonl alone, so it also
+compares arms stopped early (each resumes from its checkpoint with `resume=true`).
+
+    .venv/bin/python experiments/fedsu_compare.py experiments/out/fedsu/<timestamp> [target]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fl.plots import plot_diagnostic
+
+UNSYNCED = ("speculated_fraction", "frozen_fraction")
+
+
+def _arm(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
+    overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    name = next(o.split("=", 1)[1] for o in overrides if o.startswith("strategy="))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return name, rows
+
+
+def _traffic(row: dict[str, Any], kind: str = "") -> int:
+    return int(row[f"cum_{kind}bytes_up"] + row[f"cum_{kind}bytes_down"])
+
+
+def _unsynced(row: dict[str, Any]) -> float | None:
+    return next((row[k] for k in UNSYNCED if row.get(k) is not None), None)
+
+
+def table(arms: dict[str, list[dict[str, Any]]], target: float) -> str:
+    """Markdown: each arm cut at the last round all arms reached; traffic vs the first arm."""
+    last = min(len(rows) for rows in arms.values())
+    ref = next(iter(arms.values()))[last - 1]
+    head = ["arm", "acc", "best acc", "MB as sent", "vs ref", "MB payload", "vs ref"]
+    head += [f"rounds to {target}", f"MB to {target}", "mean unsynced", "unsynced at end"]
+    lines = [f"At round {last}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rows in arms.items():
+        cut, end = rows[:last], rows[last - 1]
+        hit = next((r for r in cut if r["accuracy"] >= target), None)
+        shares = [s for r in cut if (s := _unsynced(r)) is not None]
+        cells = [
+            name,
+            f"{end['accuracy']:.4f}",
+            f"{max(r['accuracy'] for r in cut):.4f}",
+            f"{_traffic(end) / 1e6:.1f}",
+            f"{_traffic(end) / _traffic(ref):.1%}",
+            f"{_traffic(end, 'payload_') / 1e6:.1f}",
+            f"{_traffic(end, 'payload_') / _traffic(ref, 'payload_'):.1%}",
+            str(hit["round"]) if hit else "not reached",
+            f"{_traffic(hit) / 1e6:.1f}" if hit else "-",
+            f"{sum(shares) / len(shares):.3f}" if shares else "-",
+            f"{_unsynced(end):.3f}" if shares else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    sweep = Path(argv[0])
+    target = float(argv[1]) if len(argv) > 1 else 0.95
+    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    arms = dict(_arm(job) for job in jobs)
+    text = table(arms, target)
+    (sweep / "comparison_at_common_round.md").write_text(text)
+    unsynced = {
+        name: [{"round": r["round"], "unsynced_fraction": _unsynced(r)} for r in rows]
+        for name, rows in arms.items()
+    }
+    plot_diagnostic(
+        unsynced, "unsynced_fraction", sweep / "unsynced_fraction.png", title="not synchronised"
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
