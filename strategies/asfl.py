@@ -1,0 +1,353 @@
+"""ASFL: semi-asynchronous FL whose quota and lag tolerance a SAC-Discrete agent picks.
+
+Yu et al., "ASFL: Adaptive Semi-asynchronous Federated Learning for Balancing Model
+Accuracy and Total Latency in Mobile Edge Networks", ICPP 2023. Only the abstract could
+be read (shared/specs/algorithms_b.md §1.1), so **every mechanic below is our
+reconstruction** (spec §1.2–1.4, tagged [R] there): SAFA's semi-asynchronous protocol
+(Wu et al., IEEE TC 2021) with an RL controller choosing its two knobs each round.
+
+Protocol, on the `semi_async` loop (clients_per_round nodes stay in flight):
+
+1. Controller: at the start of round t the policy picks an action a_t = (K_t, τ_t) from
+   a grid of quotas (fractions of the nodes in flight) × lag tolerances (rounds).
+2. Device selection: idle nodes are ranked by last reported train loss (an Oort-style
+   proxy for the label histograms the abstract alludes to), data share, and observed
+   round duration (`selection=score`); nodes never heard from go first.
+3. The round closes at the K_t-th arrival (`arrivals_to_close`); nodes still training
+   keep going and land later, stale.
+4. Lag tolerance: a reply staler than τ_t is deprecated (discarded, its cache entry
+   dropped; the node gets the current model when next selected; unlike SAFA, a node is
+   not interrupted once it lags beyond τ_t: the loop lets it finish). Tolerated replies are
+   written into the cache as the model the client trained (its base plus its update).
+5. Cache merge: entries whose lag (rounds since their base) exceeds τ_t are evicted;
+   the new global model is the weighted mean of the cache, weights n_k·(1 + lag_k)^-a
+   (a = `staleness_exponent`; 0 is SAFA's n_k/n, > 0 the spec's "ASFL+poly").
+6. Reward (the latency–accuracy objective, telescoping over rounds):
+   r_t = ρ·(Acc_t − Acc_{t−1}) − (1 − ρ)·ℓ_t / L_ref, with ℓ_t the round's virtual
+   duration and L_ref = horizon × the slowest reply duration seen so far (our estimate
+   of synchronous FedAvg's latency over the same rounds).
+
+Policies: `sac` (SAC-Discrete, `fl.sac`, learning online within the run), `fixed` (the
+grid point (fixed_quota, fixed_lag): SAFA with a fixed lag, our SAFA baseline) and
+`random` (uniform over the grid: the ablation that shows whether the agent learned).
+Everything, agent included, is in `state_dict()`, so a resumed run is bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fl.hooks import ClientHooks
+from fl.registry import register
+from fl.sac import SACConfig, SACDiscrete
+from fl.seeding import derive_seed
+from fl.state import checkpointable
+from fl.strategy import ClientUpdate, ServerStrategy
+
+POLICIES = ("sac", "fixed", "random")
+SELECTIONS = ("score", "uniform")
+STATE_DIM = 10  # features of `ASFLServer._features`
+
+
+@dataclass
+class ASFLParams:
+    """The action grid, the objective's preference and the agent (spec §1.3, and below)."""
+
+    policy: str = "sac"  # sac | fixed | random
+    quotas: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.5, 1.0])
+    lags: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    fixed_quota: float = 0.5  # policy=fixed: SAFA's C
+    fixed_lag: int = 3  # policy=fixed: SAFA's τ
+    preference: float = 0.5  # ρ: weight of accuracy against latency in the objective
+    horizon: int = 100  # rounds of the task (conf: ${rounds}); scales time and L_ref
+    staleness_exponent: float = 0.0  # a of the cache weights n_k (1 + lag)^-a; 0: SAFA
+    selection: str = "score"  # score | uniform
+    hidden: int = 64
+    # The spec's lr 3e-4, batch 64, one update a round assume 150 offline episodes; this
+    # agent learns online within one run, so it starts after 32 rounds and steps 4 times.
+    lr: float = 1e-3
+    gamma: float = 0.99
+    polyak: float = 0.005
+    batch_size: int = 32
+    buffer_size: int = 100_000
+    updates_per_round: int = 4
+    target_entropy_ratio: float = 0.98  # target entropy = ratio · log |A| (SAC-Discrete's)
+    reward_scale: float = 1.0  # the agent learns from scale · r_t (metrics log r_t itself)
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"strategy.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"strategy.selection must be one of {SELECTIONS}")
+        if not self.quotas or not all(0 < q <= 1 for q in self.quotas):
+            raise ValueError("strategy.quotas must be fractions in (0, 1]")
+        if not self.lags or not all(isinstance(t, int) and t >= 0 for t in self.lags):
+            raise ValueError("strategy.lags must be non-negative integers")
+        if self.fixed_quota not in self.quotas or self.fixed_lag not in self.lags:
+            raise ValueError("strategy.fixed_quota/fixed_lag must be in quotas/lags")
+        if not 0 <= self.preference <= 1:
+            raise ValueError("strategy.preference must be in [0, 1]")
+        if self.horizon < 1 or self.staleness_exponent < 0:
+            raise ValueError("strategy.horizon must be >= 1, staleness_exponent >= 0")
+        if min(self.hidden, self.batch_size, self.buffer_size, self.updates_per_round) < 1:
+            raise ValueError("strategy.hidden/batch_size/buffer_size/updates_per_round >= 1")
+        if not 0 < self.target_entropy_ratio <= 1 or not self.reward_scale > 0:
+            raise ValueError("strategy.target_entropy_ratio in (0, 1], reward_scale > 0")
+
+    @property
+    def actions(self) -> list[tuple[float, int]]:
+        """The flattened action grid: (quota, lag tolerance), quota-major."""
+        return [(q, t) for q in self.quotas for t in self.lags]
+
+
+@checkpointable
+@dataclass
+class CacheEntry:
+    """A node's latest tolerated model, its example count and its base round."""
+
+    vector: torch.Tensor
+    examples: int
+    version: int  # the round whose global model the client trained from
+
+
+def deprecate(
+    cache: dict[int, CacheEntry], updates: list[ClientUpdate], server_round: int, tolerance: int
+) -> list[ClientUpdate]:
+    """Drop the cache entries of nodes whose reply is staler than `tolerance`, and of
+    entries whose lag now exceeds it; return the tolerated replies."""
+    tolerated = [u for u in updates if u.staleness <= tolerance]
+    for update in updates:
+        if update.staleness > tolerance:
+            cache.pop(update.node_id, None)
+    for node in [n for n, e in cache.items() if server_round - e.version > tolerance]:
+        del cache[node]
+    return tolerated
+
+
+def merge_cache(cache: dict[int, CacheEntry], server_round: int, exponent: float) -> torch.Tensor:
+    """Σ_k ω_k w_k / Σ_k ω_k over the cache, ω_k = n_k·(1 + lag_k)^-a (in float64)."""
+    nodes = sorted(cache)
+    weights = torch.tensor(
+        [cache[n].examples * (1 + server_round - cache[n].version) ** -exponent for n in nodes],
+        dtype=torch.float64,
+    )
+    stacked = torch.stack([cache[n].vector for n in nodes]).to(torch.float64)
+    merged = (weights[:, None] * stacked).sum(0) / weights.sum()
+    return merged.to(cache[nodes[0]].vector.dtype)
+
+
+def selection_scores(candidates: list[int], seen: dict[int, list[float]]) -> list[float]:
+    """Device-selection score per candidate: loss/mean + examples/mean − duration/median
+    over the nodes heard from; +inf for a node never heard from (explored first)."""
+    known = [seen[n] for n in candidates if n in seen]
+    if not known:
+        return [math.inf] * len(candidates)
+    loss = float(np.mean([k[0] for k in known])) or 1.0
+    examples = float(np.mean([k[1] for k in known])) or 1.0
+    duration = float(np.median([k[2] for k in known])) or 1.0
+    return [
+        seen[n][0] / loss + seen[n][1] / examples - seen[n][2] / duration if n in seen else math.inf
+        for n in candidates
+    ]
+
+
+class ASFLServer(ServerStrategy):
+    """SAFA's cache protocol; a policy picks the quota K_t and lag tolerance τ_t."""
+
+    params: ASFLParams
+    state_attributes = (
+        "cache",
+        "seen",
+        "round_start_s",
+        "features",
+        "action",
+        "accuracy",
+        "loss",
+        "ref_round_s",
+        "objective",
+    )
+
+    def __init__(self, params: ASFLParams, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        if self.aggregator.name != "mean":
+            raise ValueError("aggregation: ASFL merges its cache itself; use aggregation=mean")
+        self.actions = params.actions
+        self.cache: dict[int, CacheEntry] = {}
+        self.seen: dict[int, list[float]] = {}  # node -> [train loss, examples, duration s]
+        self.round_start_s: dict[int, float] = {1: 0.0}
+        self.features = torch.zeros(STATE_DIM)
+        self.action = self.actions.index((params.fixed_quota, params.fixed_lag))
+        self.accuracy: float | None = None
+        self.loss: float | None = None
+        self.ref_round_s = 0.0
+        self.objective = 0.0
+        self.generator = torch.Generator().manual_seed(derive_seed(self.seed, 0xA5F1))
+        self.agent = None
+        if params.policy == "sac":
+            config = SACConfig(
+                STATE_DIM,
+                len(self.actions),
+                hidden=params.hidden,
+                lr=params.lr,
+                gamma=params.gamma,
+                polyak=params.polyak,
+                batch_size=params.batch_size,
+                buffer_size=params.buffer_size,
+                target_entropy_ratio=params.target_entropy_ratio,
+            )
+            self.agent = SACDiscrete(config, derive_seed(self.seed, 0x5AC))
+        self._round: dict[str, Any] = {}  # this round's diagnostics
+
+    # ----- the knobs ----------------------------------------------------------------
+    @property
+    def quota(self) -> int:
+        """K_t: arrivals that close the round."""
+        return max(1, math.ceil(self.actions[self.action][0] * self.clients_per_round))
+
+    @property
+    def lag_tolerance(self) -> int:
+        """τ_t: the most rounds a merged model may lag behind."""
+        return self.actions[self.action][1]
+
+    def on_round_start(self, server_round: int) -> None:
+        """The policy picks this round's (K_t, τ_t) from the state the last round left."""
+        if self.params.policy == "random":
+            self.action = int(torch.randint(len(self.actions), (1,), generator=self.generator))
+        elif self.agent is not None:
+            self.action = self.agent.act(self.features)
+        self._round = {"deprecated": 0, **self._cache_stats(server_round)}
+
+    def arrivals_to_close(self, server_round: int) -> int | None:
+        return self.quota
+
+    # ----- device selection -----------------------------------------------------------
+    def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
+        """The `wanted` best-scoring idle nodes (ties: seeded), kept in candidate order."""
+        if self.params.selection == "uniform":
+            return super().select(server_round, candidates)
+        k = min(self.clients_per_round if self.wanted is None else self.wanted, len(candidates))
+        jitter = np.random.default_rng([self.seed, server_round, 0xA5F1]).random(len(candidates))
+        scores = selection_scores(list(candidates), self.seen)
+        best = sorted(range(len(candidates)), key=lambda i: (-scores[i], jitter[i]))[:k]
+        return [candidates[i] for i in sorted(best)]
+
+    # ----- merging ----------------------------------------------------------------------
+    def rebase(self, delta: torch.Tensor, staleness: int) -> torch.Tensor:
+        """Undiscounted: ASFL bounds staleness by τ_t and weighs it in its cache merge."""
+        return self.global_vector + delta
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
+        """Deprecate replies and entries beyond τ_t, cache the rest, merge the cache."""
+        for u in updates:  # what selection and the latency reference learn from a reply
+            duration = u.arrived_s - self.round_start_s.get(server_round - u.staleness, 0.0)
+            self.seen[u.node_id] = [
+                float(u.metrics.get("train-loss", 0.0)),
+                u.num_examples,
+                duration,
+            ]
+            self.ref_round_s = max(self.ref_round_s, duration)
+        tolerated = deprecate(self.cache, updates, server_round, self.lag_tolerance)
+        for u in tolerated:  # the model the client trained: its base plus its own update
+            model = self.base_of(u.node_id) + (u.vector - self.global_vector)
+            self.cache[u.node_id] = CacheEntry(model, u.num_examples, server_round - u.staleness)
+        self._round.update(
+            deprecated=len(updates) - len(tolerated), **self._cache_stats(server_round)
+        )
+        if not self.cache:
+            return self.global_vector
+        return merge_cache(self.cache, server_round, self.params.staleness_exponent)
+
+    def _cache_stats(self, server_round: int) -> dict[str, Any]:
+        """Size of the cache and the lags of its entries at `server_round`."""
+        lags = [server_round - e.version for e in self.cache.values()]
+        return {
+            "cache_size": len(self.cache),
+            "cache_lag_max": max(lags, default=0),
+            "cache_lag_mean": float(np.mean(lags)) if lags else 0.0,
+        }
+
+    # ----- reward, state, learning ----------------------------------------------------
+    def on_round_end(
+        self, server_round: int, accuracy: float, loss: float, virtual_time_s: float
+    ) -> None:
+        """Reward the round's action, observe the next state, train the agent."""
+        duration = virtual_time_s - self.round_start_s.get(server_round, 0.0)
+        self.round_start_s[server_round + 1] = virtual_time_s
+        self.ref_round_s = max(self.ref_round_s, duration, 1e-9)
+        rho = self.params.preference
+        gain = 0.0 if self.accuracy is None else accuracy - self.accuracy
+        latency_ref = self.params.horizon * self.ref_round_s
+        reward = rho * gain - (1 - rho) * duration / latency_ref
+        features = self._features(server_round, accuracy, loss, duration)
+        self.objective += reward
+        self._round.update(reward=reward, objective=self.objective)
+        if self.agent is not None:
+            scaled = self.params.reward_scale * reward
+            self.agent.remember(self.features, self.action, scaled, features)
+            learned = [self.agent.update() for _ in range(self.params.updates_per_round)]
+            last = learned[-1]
+            self._round["critic_loss"] = None if last is None else last["critic_loss"]
+            self._round["alpha"] = self.agent.alpha
+        self.features, self.accuracy, self.loss = features, accuracy, loss
+
+    def _features(
+        self, server_round: int, accuracy: float, loss: float, duration: float
+    ) -> torch.Tensor:
+        """The agent's state (§1.3), each feature scaled to about [0, 1] or [−1, 1]."""
+        top = max(self.params.lags) or 1
+        quota_i, lag_i = divmod(self.action, len(self.params.lags))
+        return torch.tensor(
+            [
+                server_round / self.params.horizon,
+                accuracy,
+                _clip(10 * (accuracy - _or(self.accuracy, accuracy))),
+                _clip(_or(self.loss, loss) - loss),
+                min(duration / self.ref_round_s, 2.0) / 2,
+                self._round.get("cache_lag_mean", 0.0) / top,
+                self._round.get("cache_lag_max", 0) / top,
+                self._round.get("deprecated", 0) / max(1, self.quota),
+                quota_i / max(1, len(self.params.quotas) - 1),
+                lag_i / max(1, len(self.params.lags) - 1),
+            ],
+            dtype=torch.float32,
+        )
+
+    # ----- diagnostics and resume -------------------------------------------------------
+    def diagnostics(self) -> dict[str, Any]:
+        return {
+            **super().diagnostics(),
+            "action": self.action,
+            "quota_k": self.quota,
+            "lag_tolerance": self.lag_tolerance,
+            **self._round,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["generator"] = self.generator.get_state()
+        if self.agent is not None:
+            state["agent"] = self.agent.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.generator.set_state(state["generator"])
+        if self.agent is not None:
+            self.agent.load_state_dict(state["agent"])
+
+
+def _clip(value: float) -> float:
+    return min(max(value, -1.0), 1.0)
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+STRATEGY = register("asfl", server=ASFLServer, client=ClientHooks, params=ASFLParams)
