@@ -2,10 +2,13 @@
 
 Importing `fl` turns off Flower's and Ray's telemetry, update checks and runtime
 dependency installation for this process and every process it starts, so nothing we
-run phones home.
+run phones home. It also checks that our other top-level packages (`server`, `clients`,
+...) are ours, not a same-named module that shadows them (`fl.packaging`).
 """
 
 import os
+
+from fl.packaging import check_own_packages
 
 OFFLINE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -16,5 +19,7 @@ OFFLINE_ENV = {
 }
 for _key, _value in OFFLINE_ENV.items():
     os.environ.setdefault(_key, _value)
+
+check_own_packages()  # our generic package names are ours, or one clear ImportError
 
 __all__ = ["OFFLINE_ENV"]
