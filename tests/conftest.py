@@ -87,6 +87,23 @@ def run_fl(
     return proc
 
 
+def train_in_process(
+    out: Path, *overrides: str, grid_class: Any = None
+) -> tuple[list[dict[str, Any]], Any]:
+    """The round loop of `fl-run` with these overrides (validated first, as fl-run does),
+    in this process on a LocalGrid or `grid_class`: the metrics rows and the grid."""
+    import clients.app as client
+    from fl.config import compose, to_run_config, validate
+    from fl.engines.local import LocalGrid
+    from server.loop import run_training
+
+    cfg = compose(list(overrides))
+    validate(cfg)
+    grid = (grid_class or LocalGrid)(client.app, cfg.num_clients, to_run_config(cfg))
+    run_training(grid, cfg, out)
+    return read_metrics(out), grid
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -10,12 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_metrics, without_wall_time
+from conftest import train_in_process, without_wall_time
 
 import clients.app as client
-from fl.config import ConfigError, compose, to_run_config, validate
-from fl.engines.local import LocalGrid
-from server.loop import run_training
+from fl.config import ConfigError, compose, validate
 
 BASE = [
     "num_clients=8",
@@ -27,10 +25,7 @@ BASE = [
 
 
 def _run(out: Path, *overrides: str) -> list[dict[str, Any]]:
-    cfg = compose([*BASE, *overrides])
-    validate(cfg)
-    run_training(LocalGrid(client.app, cfg.num_clients, to_run_config(cfg)), cfg, out)
-    return read_metrics(out)
+    return train_in_process(out, *BASE, *overrides)[0]
 
 
 def test_first_k_aggregates_exactly_the_earliest_half_and_shortens_rounds(tmp_path: Path) -> None:

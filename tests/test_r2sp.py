@@ -9,19 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import read_metrics, run_fl, without_wall_time
+from conftest import read_metrics, run_fl, train_in_process, without_wall_time
 from flwr.app import RecordDict
 
-import clients.app as client
 from fl.clock import DeviceProfile, VirtualClock
 from fl.codec import Traffic
-from fl.config import compose, to_run_config, validate
-from fl.engines.local import LocalGrid
 from fl.errors import RunError
 from fl.loops import LoopSettings, RoundDriver, _reply
 from fl.roundrobin import RoundRobin
 from fl.strategy import ClientUpdate
-from server.loop import run_training
 from strategies.r2sp import FLR2SPParams, R2SPParams, R2SPServer, tuned_batches
 
 FAST = 1e12  # a client link far faster than the server's
@@ -146,10 +142,7 @@ BASE = [
 
 
 def _run(out: Path, *overrides: str) -> list[dict[str, Any]]:
-    cfg = compose([*BASE, *overrides])
-    validate(cfg)
-    run_training(LocalGrid(client.app, cfg.num_clients, to_run_config(cfg)), cfg, out)
-    return read_metrics(out)
+    return train_in_process(out, *BASE, *overrides)[0]
 
 
 def test_fl_r2sp_cycles_faster_than_fedavg_rounds_on_a_shared_link(tmp_path: Path) -> None:

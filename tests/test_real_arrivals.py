@@ -7,22 +7,19 @@ was sent, on a clock the test advances, so the order is known and nothing waits.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_metrics
+from conftest import train_in_process
 from flwr.app import Message
 
-import clients.app as client
 import server.loop
-from fl.config import compose, to_run_config, validate
+from fl.config import compose
 from fl.engines.local import LocalGrid
 from fl.loops import RealArrivals, loop_settings
-from server.loop import run_training
 
 # Seconds from send to arrival, by partition: the reverse of partition order, so a loop
 # that fell back to partition (or virtual) order would land the wrong replies.
@@ -68,13 +65,11 @@ class ScriptedNetwork(LocalGrid):
 
 
 def _run(out: Path, monkeypatch, *overrides: str) -> tuple[list[dict[str, Any]], ScriptedNetwork]:
-    cfg = compose([*BASE, *overrides])
-    validate(cfg)
-    grid = ScriptedNetwork(client.app, cfg.num_clients, to_run_config(cfg))
-    scripted = functools.partial(RealArrivals, timer=grid.timer, sleep=grid.sleep)
+    def scripted(grid: ScriptedNetwork, *args: Any, **kwargs: Any) -> RealArrivals:
+        return RealArrivals(grid, *args, timer=grid.timer, sleep=grid.sleep, **kwargs)
+
     monkeypatch.setattr(server.loop, "RealArrivals", scripted)
-    run_training(grid, cfg, out)
-    return read_metrics(out), grid
+    return train_in_process(out, *BASE, *overrides, grid_class=ScriptedNetwork)
 
 
 def test_semi_async_lands_replies_in_real_arrival_order(tmp_path: Path, monkeypatch) -> None:
