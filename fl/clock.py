@@ -27,6 +27,7 @@ __all__ = [
     "AvailabilityTrace",
     "DeviceProfile",
     "Job",
+    "Profiles",
     "SpeedTrace",
     "ToggleTrace",
     "VirtualClock",
@@ -86,7 +87,7 @@ def build_profiles(
     speed_spread: float = 1.0,
     bandwidth_spread: float = 1.0,
     speed_distribution: str = "loguniform",
-) -> list[DeviceProfile]:
+) -> Profiles:
     """Seeded profiles; a spread of 1 gives identical devices, 20 a 20x fastest/slowest gap.
 
     Speeds are log-uniform over the spread, or log-normal within it (`lognormal`).
@@ -100,10 +101,53 @@ def build_profiles(
     speeds = SPEED_DISTRIBUTIONS[speed_distribution](rng, speed, speed_spread, num_clients)
     ups = _spread(rng, up_mbps * MBIT, bandwidth_spread, num_clients)
     downs = _spread(rng, down_mbps * MBIT, bandwidth_spread, num_clients)
-    return [
-        DeviceProfile(float(s), float(u), float(d), availability)
-        for s, u, d in zip(speeds, ups, downs, strict=True)
-    ]
+    return Profiles(speeds, ups, downs, np.full(num_clients, float(availability)))
+
+
+class Profiles(Sequence[DeviceProfile]):
+    """Many clients' profiles as four arrays (32 bytes a client); an item is built when read."""
+
+    def __init__(
+        self, speed: np.ndarray, up: np.ndarray, down: np.ndarray, availability: np.ndarray
+    ) -> None:
+        self.speed, self.up, self.down = speed, up, down
+        self.availability = availability
+
+    @classmethod
+    def of(cls, profiles: Sequence[DeviceProfile]) -> Profiles:
+        """The same profiles, held as arrays."""
+        if isinstance(profiles, Profiles):
+            return profiles
+        fields = [[getattr(p, f) for p in profiles] for f in _PROFILE_FIELDS]
+        return cls(*(np.asarray(values, dtype=np.float64) for values in fields))
+
+    def __len__(self) -> int:
+        return len(self.speed)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return DeviceProfile(
+            float(self.speed[i]),
+            float(self.up[i]),
+            float(self.down[i]),
+            float(self.availability[i]),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def max_seconds(self, samples: int, down_bytes: int, up_bytes: int) -> float:
+        """The slowest client's `DeviceProfile.seconds`, computed for all at once."""
+        seconds = down_bytes / self.down + samples / self.speed + up_bytes / self.up
+        return float(seconds.max())
+
+
+_PROFILE_FIELDS = ("speed", "up_bytes_per_s", "down_bytes_per_s", "availability")
 
 
 @dataclass(frozen=True)
@@ -481,7 +525,7 @@ class VirtualClock:
     ) -> None:
         if not server_bytes_per_s > 0:
             raise ValueError(f"server_bytes_per_s must be positive, got {server_bytes_per_s}")
-        self.profiles = list(profiles)
+        self.profiles = Profiles.of(profiles)
         self.seed = seed
         self.now = float(now)
         self.server_bytes_per_s = server_bytes_per_s  # each direction (full duplex)
@@ -503,8 +547,18 @@ class VirtualClock:
         if self.availability_trace is not None:
             trace = self.availability_trace
             return [p for p in partitions if trace.online(p, self.now)]
+        reachable = self.reachable(server_round)
+        return [p for p in partitions if reachable[p]]
+
+    def reachable(self, server_round: int) -> np.ndarray:
+        """Whether each partition is reachable in this round (bool array, one per client)."""
+        if self.availability_trace is not None:
+            trace = self.availability_trace
+            return np.array([trace.online(p, self.now) for p in range(len(self.profiles))])
+        if bool(np.all(self.profiles.availability >= 1.0)):  # every draw in [0, 1) passes
+            return np.ones(len(self.profiles), dtype=bool)
         draws = np.random.default_rng([self.seed, server_round, 0xA7A1]).random(len(self.profiles))
-        return [p for p in partitions if draws[p] < self.profiles[p].availability]
+        return draws < self.profiles.availability
 
     def speed(self, partition: int, t: float) -> float:
         """Samples per second `partition` trains at at time `t` (background load included)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +192,7 @@ class RoundDriver:
         `schedule`: the strategy's round-robin order and start times of groups (R2SP)."""
         self.settings = settings
         self.clock = clock
-        self.partitions = dict(partitions)
+        self.partitions = partitions
         self.deadline_s = deadline_s
         self.real = real
         self.flights: dict[int, Flight] = {}
@@ -227,11 +227,11 @@ class RoundDriver:
             return candidates  # every idle group, whole
         return None
 
-    def idle(self, nodes: list[int]) -> list[int]:
+    def idle(self, nodes: Sequence[int]) -> Sequence[int]:
         """The nodes that may be asked now: none in flight, and for `groups` only whole
         groups none of whose members is in flight."""
         if self.settings.kind != "groups":
-            return [n for n in nodes if n not in self.flights]
+            return [n for n in nodes if n not in self.flights] if self.flights else nodes
         busy = {self._group(n) for n in self.flights}
         free = [n for n in nodes if self._group(n) not in busy]
         if self.schedule is None:

@@ -34,7 +34,7 @@ partition sizes and the node → partition map of the run, capped by
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -155,7 +155,7 @@ class ExampleBounds:
     weigh no more than a typical client).
     """
 
-    per_node: dict[int, int] = field(default_factory=dict)
+    per_node: Mapping[int, int] = field(default_factory=dict)
     cap: int | None = None
 
     def limit(self, node_id: int) -> int | None:
@@ -170,13 +170,31 @@ def example_bounds(
     capped by `max_examples_per_client` when that is set."""
     cap = cfg.get("max_examples_per_client")
     cap = None if cap is None else int(cap)
-    sizes = [len(p) for p in task.partitions] if task is not None else []
-    per_node = {}
-    for node, partition in partitions.items():
-        size = sizes[partition] if 0 <= partition < len(sizes) else cap
-        if size is not None:
-            per_node[node] = size if cap is None else min(size, cap)
-    return ExampleBounds(per_node, cap)
+    sizes = task.sizes if task is not None else np.empty(0, dtype=np.int64)
+    return ExampleBounds(_PartitionBounds(partitions, sizes, cap), cap)
+
+
+class _PartitionBounds(Mapping[int, int]):
+    """node -> its partition's size capped by `cap`, looked up when asked: a population of
+    millions needs no per-node table."""
+
+    def __init__(self, partitions: Mapping[int, int], sizes: np.ndarray, cap: int | None) -> None:
+        self.partitions, self.sizes, self.cap = partitions, sizes, cap
+
+    def __getitem__(self, node: int) -> int:
+        partition = self.partitions[node]
+        if not 0 <= partition < len(self.sizes):  # a size the server does not know
+            if self.cap is None:
+                raise KeyError(node)
+            return self.cap
+        size = int(self.sizes[partition])
+        return size if self.cap is None else min(size, self.cap)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.partitions)
+
+    def __len__(self) -> int:
+        return len(self.partitions)
 
 
 def robust_options(cfg: DictConfig) -> dict[str, Any]:

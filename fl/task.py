@@ -1,7 +1,9 @@
 """A run's learning task: the dataset, its split across clients, and the model.
 
 Built once per process and cached, so thousands of simulated clients in one process
-share one copy of the data and one model instance per thread.
+share one copy of the data and one model instance per thread. Synthetic data split by
+its natural devices is generated client by client when asked for (`SyntheticDevices`),
+so a population of millions costs its size array, not its samples.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fl.config import ConfigError, plain
-from fl.data import Dataset, DatasetNotFoundError, load_dataset
+from fl.data import Dataset, DatasetNotFoundError, SyntheticDevices, load_dataset
 from fl.models import build_model
 from fl.partition import partition_indices
 from fl.records import Layout
@@ -28,6 +30,9 @@ __all__ = ["GPU_MEMORY_FRACTION", "NoDeviceError", "Task", "get_task", "resolve_
 
 
 GPU_MEMORY_FRACTION = "FL_GPU_MEMORY_FRACTION"  # env: this process's share of its GPU
+# Generated-per-client data: the global test split is the held-out samples of this many
+# first devices (all of them in smaller populations), so evaluation cost stays bounded.
+EVAL_DEVICES = 1000
 
 
 class NoDeviceError(ConfigError, RuntimeError):
@@ -70,14 +75,19 @@ def _cap_gpu_memory(fraction: str | None) -> None:
 
 @dataclass
 class Task:
-    """Data, partitions and model factory of one run."""
+    """Data, partitions and model factory of one run.
+
+    `partitions` index the dataset's train split per client; they are None where each
+    client's data is generated on demand (`devices`), and the train split is empty.
+    """
 
     dataset: Dataset
-    partitions: list[np.ndarray]
+    partitions: list[np.ndarray] | None
     model_name: str
     hidden: tuple[int, ...]
     seed: int
     device: torch.device
+    devices: SyntheticDevices | None = None
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def new_model(self) -> nn.Module:
@@ -104,8 +114,20 @@ class Task:
         """Layout of the model's state_dict."""
         return Layout.of(self.model().state_dict())
 
+    @cached_property
+    def sizes(self) -> np.ndarray:
+        """Training examples of each client (int64), known without building any client."""
+        if self.devices is not None:
+            return self.devices.train_sizes
+        assert self.partitions is not None
+        return np.array([len(p) for p in self.partitions], dtype=np.int64)
+
     def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The train tensors of one client, on the task's device."""
+        if self.devices is not None:
+            x, y = self.devices.train(partition)
+            return x.to(self.device), y.to(self.device)
+        assert self.partitions is not None
         index = torch.from_numpy(self.partitions[partition])
         x = self.dataset.x_train[index].to(self.device)
         y = self.dataset.y_train[index].to(self.device)
@@ -122,6 +144,8 @@ def _build(key: str) -> Task:
         options.setdefault("num_devices", spec["num_clients"])
     if task["model"] in ("cnn", "lenet5", "resnet18") and task["dataset"] == "digits":
         options.setdefault("flat", False)
+    if task["dataset"] == "synthetic" and part["scheme"] == "natural":
+        return _generated(spec, options, device)
     try:
         dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
     except DatasetNotFoundError as err:
@@ -150,6 +174,23 @@ def _build(key: str) -> Task:
         spec["seed"],
         device,
     )
+
+
+def _generated(spec: dict, options: dict, device: torch.device) -> Task:
+    """Synthetic split by its devices: client p is device p, generated when asked for."""
+    task, clients = spec["task"], spec["num_clients"]
+    try:
+        devices = SyntheticDevices(seed=spec["seed"], **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: task.options of synthetic: {err}") from err
+    if devices.num_devices != clients:
+        raise ConfigError(
+            f"invalid config: num_clients={clients}: partition=natural makes one client per "
+            f"device, but task.options.num_devices={devices.num_devices}"
+        )
+    dataset = devices.dataset(test_devices=EVAL_DEVICES)
+    hidden = tuple(task.get("hidden") or ())
+    return Task(dataset, None, task["model"], hidden, spec["seed"], device, devices)
 
 
 def get_task(cfg: DictConfig) -> Task:

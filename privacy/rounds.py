@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ class RoundPrivacy:
 
     def __init__(self, cfg: DictConfig, task: Task, out_dir: Path) -> None:
         self.dp = DPSGD.from_config(cfg)
-        self.sizes = [len(p) for p in task.partitions]
+        self.sizes = task.sizes  # examples per partition (an array: one int64 a client)
         ledger = cfg.privacy.get("ledger") if self.dp else None
         self.ledger_cfg = ledger if ledger is not None and ledger.get("path") else None
         self.pipeline = self.holder = ""
@@ -138,7 +139,7 @@ class RoundPrivacy:
 
         spend, delta = {}, {}
         for p in partitions:
-            plan = self.dp.plan(self.sizes[p], self._target())
+            plan = self.dp.plan(int(self.sizes[p]), self._target())
             done = self.participations.get(p, 0)
             after = self.dp.projected_epsilon(plan, done + 1)
             spend[self._block(p)] = max(after - self.dp.projected_epsilon(plan, done), 0.0)
@@ -172,7 +173,7 @@ class RoundPrivacy:
     def server_epsilon(self, partition: int) -> float:
         """ε of a client after the rounds it was asked to train, with σ, q, steps as configured."""
         assert self.dp is not None
-        plan = self.dp.plan(self.sizes[partition], self._target())
+        plan = self.dp.plan(int(self.sizes[partition]), self._target())
         return self.dp.projected_epsilon(plan, self.participations.get(partition, 0))
 
     def _heartbeat(self) -> None:
@@ -203,7 +204,7 @@ class RoundPrivacy:
             log.warning("privacy budget: %s", err)
 
     # ----- metrics ------------------------------------------------------------------------
-    def observe(self, updates: list[ClientUpdate], partitions: dict[int, int]) -> dict[str, Any]:
+    def observe(self, updates: list[ClientUpdate], partitions: Mapping[int, int]) -> dict[str, Any]:
         """Max and mean server ε over this round's accepted replies (fields of the metrics row).
 
         The partition comes from the server's own node map, never from the reply.

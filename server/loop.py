@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
@@ -27,6 +28,7 @@ from fl.console import RoundReporter
 from fl.contract import check_reply_error, stamp
 from fl.errors import RunError
 from fl.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
+from fl.population import NodeIds, nodes_by_partition
 from fl.registry import get_strategy
 from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -141,8 +143,9 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     deadline_s = _deadline_s(cfg, task, clock, real)
     schedule = strategy.group_schedule()  # R2SP: groups start in turn
     driver = RoundDriver(settings, clock, partitions, deadline_s, real, schedule)
+    by_partition = nodes_by_partition(partitions, cfg.num_clients)
     strategy.attach(
-        reachable=lambda rnd, nodes: driver.idle(_reachable(clock, partitions, rnd, nodes)),
+        reachable=lambda rnd, grid: driver.idle(_reachable(clock, by_partition, rnd, grid)),
         extra_config=lambda node: _time_view(clock, partitions[node], driver.client_deadline_s),
         staleness_exponent=settings.staleness_exponent,
     )
@@ -173,9 +176,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         sent = 0
         for exchange in itertools.count(1):  # one, unless the strategy asks for more
             exchange_s = clock.now
-            reachable = len(
-                driver.idle(_reachable(clock, partitions, server_round, sorted(partitions)))
-            )
+            reachable = len(driver.idle(_reachable(clock, by_partition, server_round)))
             strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
             config = ConfigRecord({**privacy.train_config(), **stamp(str(cfg.strategy.name))})
             messages = list(strategy.configure_train(server_round, arrays, config, grid))
@@ -219,6 +220,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "wall_time_s": progress.wall_time_s,
             **_staleness(strategy.stats.updates, settings),
             **strategy.diagnostics(),
+            **(grid.diagnostics() if hasattr(grid, "diagnostics") else {}),  # fl.transport
             **privacy.observe(strategy.stats.updates, partitions),
         }
         run_log.append(row)
@@ -259,7 +261,7 @@ def _send(
     grid: Grid,
     cfg: DictConfig,
     task: Task,
-    partitions: dict[int, int],
+    partitions: Mapping[int, int],
 ) -> tuple[Landed, list[Traffic]]:
     """Send one exchange's instructions and wait for its close: what landed, bytes sent."""
     down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
@@ -267,7 +269,10 @@ def _send(
         driver.push(server_round, strategy.global_vector, messages, down)
         missing: list[int] = []
     else:
-        asked = {m.metadata.dst_node_id: _asked_samples(m, cfg, task, partitions) for m in messages}
+        work = _Work(cfg.local_steps, cfg.batch_size, cfg.local_epochs)
+        asked = {
+            m.metadata.dst_node_id: _asked_samples(m, work, task, partitions) for m in messages
+        }
         wait_s = cfg.round_timeout_s or REPLY_WAIT_S
         replies = list(grid.send_and_receive(messages, timeout=wait_s)) if messages else []
         missing = driver.dispatch(
@@ -324,23 +329,38 @@ def _deadline_s(
             return float(value)
     if real is not None:
         return REPLY_WAIT_S
-    largest = max(len(p) for p in task.partitions)
+    largest = int(task.sizes.max())
     samples = _samples(cfg.local_steps, cfg.batch_size, cfg.local_epochs, largest)
     model_bytes = 4 * task.layout.numel  # float32 on the wire
-    slowest = max(p.seconds(samples, model_bytes, model_bytes) for p in clock.profiles)
+    slowest = clock.profiles.max_seconds(samples, model_bytes, model_bytes)
     queued = 2 * cfg.clients_per_round * model_bytes / clock.server_bytes_per_s
     return DEADLINE_FACTOR * (slowest + queued)
 
 
 def _reachable(
-    clock: VirtualClock, partitions: dict[int, int], rnd: int, nodes: list[int]
-) -> list[int]:
-    up = set(clock.available(rnd, range(len(clock.profiles))))
-    return sorted((n for n in nodes if partitions.get(n) in up), key=partitions.__getitem__)
+    clock: VirtualClock, by_partition: NodeIds, rnd: int, grid: Grid | None = None
+) -> NodeIds:
+    """The nodes reachable in round `rnd`, in partition order; with `grid`, only those it
+    still has (a deployment's nodes may leave; an in-process population cannot)."""
+    reachable = clock.reachable(rnd)
+    known = getattr(grid, "partition_map", None)
+    if grid is not None and not (callable(known) and known() is not None):
+        connected = np.fromiter(grid.get_node_ids(), dtype=np.uint64)
+        reachable &= np.isin(by_partition.ids, connected)
+    return by_partition.where(reachable)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """The run's local work per round, read from the config once rather than per message."""
+
+    local_steps: int
+    batch_size: int
+    local_epochs: int
 
 
 def _asked_samples(
-    message: Message, cfg: DictConfig, task: Task, partitions: dict[int, int]
+    message: Message, cfg: DictConfig | _Work, task: Task, partitions: Mapping[int, int]
 ) -> int:
     """Samples the server asked one node to train on: steps x batch size, or epochs x examples.
 
@@ -353,7 +373,7 @@ def _asked_samples(
         int(cast(int, config.get("local-steps", cfg.local_steps))),
         int(cast(int, config.get("batch-size", cfg.batch_size))),
         int(cast(int, config.get("local-epochs", cfg.local_epochs))),
-        len(task.partitions[partitions[message.metadata.dst_node_id]]),
+        int(task.sizes[partitions[message.metadata.dst_node_id]]),
     )
 
 

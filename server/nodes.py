@@ -17,22 +17,27 @@ never counted, asked for its partition or sent any message; it is refused and lo
 the nodes it does see, one holding a partition outside `0 … num_clients-1`, or one already
 held by a node with a lower id, is refused and logged too; only partitions that no
 remaining node holds fail the run.
+
+An in-process engine that assigned the partitions itself (the local engine) hands the
+map over (`partition_map`, a `fl.population.PartitionMap`) instead of being asked node
+by node.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 from flwr.app import Message, MessageType, RecordDict
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
-from flwr.superlink.grid import InMemoryGrid
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fl.population import PartitionMap
 from fl.tls import fingerprint, is_allowlist
 
 __all__ = [
@@ -174,9 +179,19 @@ def _deployment_too_small(connected: int, expected: int, wait_s: float) -> Feder
     )
 
 
+def _simulated(grid: Grid) -> bool:
+    """Whether `grid` is Flower's simulation grid (all nodes registered at once).
+
+    Looked up where it is loaded: importing it costs seconds (its SQL state layer), and
+    no grid can be one unless some engine already imported it.
+    """
+    module = sys.modules.get("flwr.superlink.grid.inmemory_grid")
+    return module is not None and isinstance(grid, module.InMemoryGrid)
+
+
 def wait_for_nodes(grid: Grid, expected: int, wait_s: float) -> list[int]:
     """The connected node ids, once at least `expected` are; FederationError if never."""
-    simulated = isinstance(grid.inner if isinstance(grid, AllowedGrid) else grid, InMemoryGrid)
+    simulated = _simulated(grid.inner if isinstance(grid, AllowedGrid) else grid)
     deadline = time.monotonic() + wait_s
     seen, stable_since = -1, time.monotonic()
     while len(nodes := sorted(grid.get_node_ids())) < expected:
@@ -199,13 +214,21 @@ def _claimed(reply: Message) -> int | None:
     return partition if isinstance(partition, int) and not isinstance(partition, bool) else None
 
 
-def discover_partitions(grid: Grid, expected: int, timeout_s: float = QUERY_S) -> dict[int, int]:
+def discover_partitions(grid: Grid, expected: int, timeout_s: float = QUERY_S) -> Mapping[int, int]:
     """Map node id -> partition id for partitions `0 … expected-1`, asking every node.
 
     Call after `wait_for_nodes`. A node holding a partition outside that range, or one a
     node with a lower id already holds, is refused (logged) and never trained; a
-    partition that no node holds is a FederationError.
+    partition that no node holds is a FederationError. A grid that assigned the
+    partitions itself in this process, to nodes that announce them as assigned
+    (`partition_map()`), is not asked.
     """
+    known = getattr(grid, "partition_map", None)
+    mapping: PartitionMap | None = known() if callable(known) else None
+    if mapping is not None:
+        if len(mapping) != expected:
+            raise FederationError(f"the engine runs {len(mapping)} nodes, not {expected}")
+        return mapping
     nodes = sorted(grid.get_node_ids())
     queries = [Message(RecordDict(), node, MessageType.QUERY + ".info") for node in nodes]
     replies = list(grid.send_and_receive(queries, timeout=timeout_s))

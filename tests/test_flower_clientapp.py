@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp.strategy import FedAvg
 
 from clients.app import app as client_app
@@ -38,10 +38,17 @@ def test_stock_flower_server_without_our_run_config_uses_the_node_config():
     assert got == dict(enumerate(sizes)) and len(sizes) == 3
 
 
-def test_missing_node_config_fails_clearly():
-    grid = LocalGrid(client_app, 3, {})
-    for context in grid.contexts.values():
+class _NoNodeConfig(LocalGrid):
+    """Nodes started without --node-config."""
+
+    def context(self, node_id: int) -> Context:
+        context = super().context(node_id)
         context.node_config = {}
+        return context
+
+
+def test_missing_node_config_fails_clearly():
+    grid = _NoNodeConfig(client_app, 3, {})
     for reply in _train(grid, {}):
         assert reply.has_error()
         assert "num-partitions=None" in reply.error.reason

@@ -93,7 +93,7 @@ def test_train_with_hooks_follows_the_servers_steps_and_lr():
     start = {k: v.clone() for k, v in model.state_dict().items()}
     config = ConfigRecord({"server-round": 1, "local-steps": 5, "lr": 0.0, **stamp("fedavg")})
     content = RecordDict({"arrays": ArrayRecord(start), "config": config})
-    (reply,) = grid.send_and_receive([Message(content, next(iter(grid.contexts)), "train")])
+    (reply,) = grid.send_and_receive([Message(content, next(iter(grid.get_node_ids())), "train")])
     metrics = reply.content.metric_records["metrics"]
     assert (metrics["steps"], metrics["samples"], metrics["num-examples"]) == (5, 18, 10)
     returned = reply.content.array_records["arrays"].to_torch_state_dict()

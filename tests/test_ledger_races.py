@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import python_run
 from omegaconf import DictConfig
@@ -27,7 +28,7 @@ from privacy.rounds import RoundPrivacy
 RUN = ["experiment=dpbalance", "num_clients=4", "clients_per_round=2", "rounds=6"]
 BLOCKS = [f"digits/client-{p}" for p in range(4)]
 FORK = multiprocessing.get_context("fork")  # children start at once, with torch already loaded
-TASK = SimpleNamespace(partitions=[range(64)] * 4)
+TASK = SimpleNamespace(sizes=np.full(4, 64))  # all RoundPrivacy reads of a task
 
 
 def _config(ledger: Path, *extra: str) -> DictConfig:

@@ -53,13 +53,13 @@ def test_node_state_persists_across_rounds():
     saved = grid.state_dict()
     fresh = LocalGrid(_counting_app(), 3, {})
     fresh.load_state_dict(saved)
-    assert fresh.contexts[nodes[0]].state.config_records["counter"]["n"] == 3
+    assert fresh.context(nodes[0]).state.config_records["counter"]["n"] == 3
 
 
 def test_node_ids_are_stable_and_partitions_cover_all_nodes():
     a, b = LocalGrid(_counting_app(), 5, {}, seed=1), LocalGrid(_counting_app(), 5, {}, seed=1)
     assert list(a.get_node_ids()) == list(b.get_node_ids())
-    parts = sorted(int(c.node_config["partition-id"]) for c in a.contexts.values())
+    parts = sorted(int(a.context(n).node_config["partition-id"]) for n in a.get_node_ids())
     assert parts == [0, 1, 2, 3, 4]
 
 

@@ -62,7 +62,7 @@ def _grid(reported: list[int | str], seen: list[tuple[int, str]]) -> LocalGrid:
 def test_nodes_off_the_allow_list_are_never_counted_asked_or_sent_work(caplog):
     seen: list[tuple[int, str]] = []
     grid = _grid([0, 1, 0], seen)
-    first, second, extra = grid.contexts  # partitions 0, 1 and a second 0
+    first, second, extra = grid.nodes.by_partition  # partitions 0, 1 and a second 0
     allowed = AllowedGrid(grid, frozenset({first, second}))
     with caplog.at_level(logging.WARNING, logger="server.nodes"):
         assert sorted(wait_for_nodes(allowed, 2, wait_s=1)) == sorted([first, second])
@@ -83,7 +83,7 @@ def test_nodes_off_the_allow_list_are_never_counted_asked_or_sent_work(caplog):
 def test_duplicate_out_of_range_or_malformed_claims_refuse_the_node_not_the_run(caplog):
     seen: list[tuple[int, str]] = []
     grid = _grid([0, 1, 0, 7, "1"], seen)
-    ids = list(grid.contexts)  # in partition order
+    ids = list(grid.nodes.by_partition)  # in partition order
     keeper = min(ids[0], ids[2])  # of two nodes claiming partition 0, the lower id keeps it
     dropped = max(ids[0], ids[2])
     with caplog.at_level(logging.WARNING, logger="server.nodes"):

@@ -49,7 +49,7 @@ class ScriptedNetwork(LocalGrid):
         messages = list(messages)
         ids = list(LocalGrid.push_messages(self, messages))
         for message, message_id in zip(messages, ids, strict=True):
-            partition = self.contexts[message.metadata.dst_node_id].node_config["partition-id"]
+            partition = self.nodes[message.metadata.dst_node_id]
             self.sent.append(int(partition))
             for reply in LocalGrid.pull_messages(self, [message_id]):  # trains now
                 due = self.now + DELAYS[int(partition)]

@@ -100,7 +100,7 @@ def test_a_strategy_overriding_aggregate_uses_the_configured_rule():
 
 
 def test_example_bounds_are_partition_sizes_capped_by_the_configured_maximum():
-    task = SimpleNamespace(partitions=[np.arange(5), np.arange(50), np.arange(500)])
+    task = SimpleNamespace(sizes=np.array([5, 50, 500]))
     nodes = {11: 0, 12: 1, 13: 2}
     free = example_bounds(compose(), task, nodes)  # type: ignore[arg-type]
     assert free.per_node == {11: 5, 12: 50, 13: 500} and free.limit(99) is None

@@ -2,16 +2,21 @@
 
 One process, no Ray, no sockets: `push_messages` queues instructions, `pull_messages`
 runs the ClientApp for them (in order, or on a thread pool) and returns the replies.
-Each node has a persistent `Context`, exactly as a SuperNode would, so client state
-survives across rounds; the contexts are part of the run's checkpoint.
+Each node has a persistent `Context`, as a SuperNode would, so client state survives
+across rounds. A node's Context is built when a message reaches it and released after
+its reply; only non-empty states are kept, compactly (`NodeStates`), and they are part
+of the run's checkpoint. So memory and start-up follow the clients that train, not the
+population: a million nodes cost their ids and partitions (24 bytes each) until sampled.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +28,10 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fl.config import ConfigError
+from fl.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.faults import NoReply
+from fl.population import PartitionMap
 
 __all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
 
@@ -50,23 +58,27 @@ class LocalGrid(Grid):
         workers: int = 1,
         serialize: bool = False,
         run_id: int = 1,
+        spill_dir: Path | None = None,
+        state_memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        announces_partitions: bool = False,
     ) -> None:
+        """`announces_partitions`: the ClientApp reports its node config's partition (ours
+        does), so the server may take the map from `partition_map` instead of asking every
+        node; `spill_dir` and `state_memory_bytes`: where node states go past that budget."""
         self.client_app = client_app
+        self.announces_partitions = announces_partitions
         self.workers = workers
         self.serialize = serialize
         self._run = Run.create_empty(run_id)
         self._run.override_config = dict(run_config)
+        self.run_config = dict(run_config)
         ids = np.random.default_rng([seed, 0x1D]).choice(2**62, size=num_nodes, replace=False)
-        self.contexts = {
-            int(node_id): Context(
-                run_id=run_id,
-                node_id=int(node_id),
-                node_config={"partition-id": p, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config=dict(run_config),
-            )
-            for p, node_id in enumerate(ids + 1)
-        }
+        self.nodes = PartitionMap(ids + 1)  # partition p is held by node ids[p] + 1
+        self.states = NodeStates(spill_dir, state_memory_bytes)
+        self.built = 0  # Contexts built so far (one per message handled)
+        self.live = 0  # Contexts alive now
+        self.peak_live = 0
+        self._count_lock = threading.Lock()
         self._pending: dict[str, Message] = {}
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
@@ -93,12 +105,16 @@ class LocalGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        return list(self.nodes)  # sorted
+
+    def partition_map(self) -> PartitionMap | None:
+        """node id -> partition as assigned here, when the ClientApp announces just that."""
+        return self.nodes if self.announces_partitions else None
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
-            if msg.metadata.dst_node_id not in self.contexts:
+            if msg.metadata.dst_node_id not in self.nodes:
                 raise ValueError(f"no node {msg.metadata.dst_node_id} in this grid")
             msg_id = str(next(self._ids))
             msg.metadata.__dict__["_message_id"] = msg_id
@@ -119,9 +135,28 @@ class LocalGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
     # ----- nodes ------------------------------------------------------------------------
+    def context(self, node_id: int) -> Context:
+        """A node's Context as a SuperNode holds it: its partition and its saved state."""
+        return Context(
+            run_id=self._run.run_id,
+            node_id=node_id,
+            node_config={"partition-id": self.nodes[node_id], "num-partitions": len(self.nodes)},
+            state=self.states.get_state(node_id),
+            run_config=dict(self.run_config),
+        )
+
     def _handle(self, msg: Message) -> Message | None:
         """Run the ClientApp for one instruction, as a SuperNode would (None: no reply)."""
-        context = self.contexts[msg.metadata.dst_node_id]
+        node_id = msg.metadata.dst_node_id
+        context = self.context(node_id)
+        self._count(+1)
+        try:
+            return self._reply(msg, context)
+        finally:
+            self.states.put(node_id, context.state)
+            self._count(-1)
+
+    def _reply(self, msg: Message, context: Context) -> Message | None:
         if self.serialize:
             msg = _wire_roundtrip(msg)
         try:
@@ -132,14 +167,40 @@ class LocalGrid(Grid):
             reply = Message(Error(CLIENT_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
         return _wire_roundtrip(reply) if self.serialize else reply
 
-    def state_dict(self) -> dict[int, RecordDict]:
-        """Every node's persistent state, for the run's checkpoint."""
-        return {node_id: ctx.state for node_id, ctx in self.contexts.items()}
+    def _count(self, change: int) -> None:
+        with self._count_lock:
+            self.live += change
+            self.built += max(change, 0)
+            self.peak_live = max(self.peak_live, self.live)
 
-    def load_state_dict(self, states: dict[int, RecordDict]) -> None:
-        """Restore node states saved by `state_dict`."""
+    def state_dict(self) -> Mapping[int, RecordDict]:
+        """The nodes' non-empty states, for the run's checkpoint (decoded one at a time)."""
+        return self.states
+
+    def load_state_dict(self, states: Mapping[int, RecordDict]) -> None:
+        """Restore node states saved by `state_dict` (every other node's state is empty)."""
+        unknown = [node for node in states if node not in self.nodes]
+        if unknown:
+            raise ValueError(f"saved states of nodes not in this grid: {unknown[:5]}")
+        self.states.clear()
         for node_id, state in states.items():
-            self.contexts[node_id].state = state
+            self.states.put(node_id, state)
+
+    def close(self) -> None:
+        """Release the worker threads and any spilled state file."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        self.states.close()
+
+
+def _state_memory_bytes(cfg: Any) -> int:
+    """`engine.state_memory_mb` in bytes (a number >= 0; 0 keeps every state in SQLite)."""
+    value = cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ConfigError(
+            f"invalid config: engine.state_memory_mb={value!r}: must be a number >= 0"
+        )
+    return int(value * 2**20)
 
 
 def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
@@ -154,6 +215,9 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
         seed=cfg.seed,
         workers=cfg.engine.workers,
         serialize=cfg.engine.serialize,
+        spill_dir=Path(cfg.output_dir) if cfg.get("output_dir") else None,
+        state_memory_bytes=_state_memory_bytes(cfg),
+        announces_partitions=True,  # clients.app answers `query.info` with its node config
     )
     context = Context(
         run_id=grid.run.run_id,
@@ -162,11 +226,12 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
         state=RecordDict(),
         run_config=dict(run_config),
     )
-    # Thousands of long-lived node contexts make every full garbage collection walk
-    # them; freezing what exists now keeps collections to the per-round garbage.
+    # Long-lived objects (data, models, imported modules) make every full garbage
+    # collection walk them; freezing what exists now keeps collections to the round's garbage.
     gc.collect()
     gc.freeze()
     try:
         server_app(grid, context)
     finally:
         gc.unfreeze()
+        grid.close()

@@ -1,0 +1,298 @@
+"""Population-scale benchmark: a plain PyTorch loop vs our local engine on the same sampled clients.
+
+Both arms train `--per-round` clients a round drawn from `--clients` with the framework's
+own seeded selection, on Synthetic data generated per client (`fl.data.SyntheticDevices`),
+MLP 20-32-2, 1 epoch of batch-16 SGD, and evaluate the global model on the same test split
+every round. Reported per arm (medians over repeats): peak RSS of the process tree,
+start-up (launch to the start of round 1), per-round wall and CPU time (CPU: robust to
+other jobs on the machine), and the final accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.bench_many_clients import (
+    BATCH_SIZE,
+    DIM,
+    HIDDEN,
+    LOCAL_EPOCHS,
+    NUM_CLASSES,
+    OFFLINE_ENV,
+    PR_SET_CHILD_SUBREAPER,
+    REPO,
+    SAMPLES_PER_DEVICE,
+    SEED,
+    TreeSampler,
+    config_lr,
+    git_state,
+    initial_model,
+    reap_descendants,
+    test_accuracy,
+    train_one_client,
+)
+
+SELECT_TAG = 0x5E1  # fl.strategy.ServerStrategy.select's stream
+POLL_S = 0.02
+GOALS = {"peak_rss_mb": 2048.0, "startup_s": 10.0, "round_ratio": 1.5}
+
+
+def devices(clients: int) -> Any:
+    """The Synthetic population both arms draw clients from."""
+    from fl.data import SyntheticDevices
+
+    return SyntheticDevices(
+        SEED,
+        clients,
+        dim=DIM,
+        num_classes=NUM_CLASSES,
+        samples_per_device=SAMPLES_PER_DEVICE,
+    )
+
+
+def sampled(clients: int, per_round: int, server_round: int) -> list[int]:
+    """The partitions our strategy selects in a round when every client is reachable."""
+    rng = np.random.default_rng([SEED, server_round, SELECT_TAG])
+    return sorted(int(p) for p in rng.choice(clients, size=per_round, replace=False))
+
+
+def plain_worker(clients: int, per_round: int, rounds: int, result: Path) -> None:
+    """Arm `plain`: per round, each sampled client in order: generate, load, train, collect;
+    then the example-weighted average and the test accuracy."""
+    import torch
+
+    from fl.task import EVAL_DEVICES
+
+    torch.set_num_threads(1)  # as our engine (torch_threads=1)
+    lr = config_lr()
+    population = devices(clients)
+    test = population.dataset(test_devices=EVAL_DEVICES)
+    model = initial_model()
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    rounds_s, rounds_cpu_s, started = [], [], time.time()
+    for server_round in range(1, rounds + 1):
+        begun, begun_cpu = time.perf_counter(), time.process_time()
+        states, weights = [], []
+        for partition in sampled(clients, per_round, server_round):
+            model.load_state_dict(global_state)
+            x, y = population.train(partition)
+            train_one_client(model, x, y, lr, server_round, partition)
+            states.append(torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()]))
+            weights.append(len(y))
+        w = torch.tensor(weights, dtype=torch.float64)
+        mean = ((w / w.sum()) @ torch.stack(states).double()).float()
+        flat = torch.split(mean, [v.numel() for v in global_state.values()])
+        global_state = {
+            k: p.reshape(v.shape).clone()
+            for (k, v), p in zip(global_state.items(), flat, strict=True)
+        }
+        model.load_state_dict(global_state)
+        accuracy = test_accuracy(model, test)
+        rounds_s.append(time.perf_counter() - begun)
+        rounds_cpu_s.append(time.process_time() - begun_cpu)
+    found = {"rounds_s": rounds_s, "rounds_cpu_s": rounds_cpu_s, "first_round_at": started}
+    result.write_text(json.dumps({"accuracy": accuracy, **found}))
+
+
+def ours_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    return [
+        str(Path(sys.executable).parent / "fl-run"),
+        "task=synthetic",
+        "partition=natural",
+        f"strategy={args.strategy}",
+        f"num_clients={args.clients}",
+        f"clients_per_round={args.per_round}",
+        f"rounds={args.rounds}",
+        f"local_epochs={LOCAL_EPOCHS}",
+        f"batch_size={BATCH_SIZE}",
+        f"task.hidden=[{','.join(map(str, HIDDEN))}]",
+        f"task.options.dim={DIM}",
+        f"task.options.num_classes={NUM_CLASSES}",
+        f"task.options.samples_per_device={SAMPLES_PER_DEVICE}",
+        "progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def run_arm(arm: str, args: argparse.Namespace, log_dir: Path, repeat: int) -> dict[str, Any]:
+    """Launch one arm, sample its memory, and read back its timings."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"scale-{arm}-"))
+    result, run_dir = scratch / "result.json", scratch / "run"
+    if arm == "ours":
+        command = ours_command(args, run_dir)
+    else:
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            f"--clients={args.clients}",
+            f"--per-round={args.per_round}",
+            f"--rounds={args.rounds}",
+            f"--result={result}",
+        ]
+    env = {**os.environ, **OFFLINE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    sampler = TreeSampler()
+    metrics = run_dir / "metrics.jsonl"
+    first_row_at, rows_cpu_s = None, []  # our CPU seconds when each metrics row appeared
+    log_path = log_dir / f"{arm}_n{args.clients}_{args.strategy}_r{repeat}.log"
+    with log_path.open("w") as log:
+        launched = time.time()
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler.start()
+        me = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            rows = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            if rows > len(rows_cpu_s):
+                first_row_at = first_row_at or time.time()
+                with contextlib.suppress(psutil.Error):
+                    cpu = me.cpu_times()
+                    rows_cpu_s += [cpu.user + cpu.system] * (rows - len(rows_cpu_s))
+            time.sleep(POLL_S)
+        wall_s = time.time() - launched
+    sampler.stop.set()
+    sampler.join()
+    reap_descendants()
+    out: dict[str, Any] = {
+        "arm": arm,
+        "returncode": proc.returncode,
+        "wall_s": wall_s,
+        "peak_rss_mb": sampler.peak_rss / 2**20,
+        "log": str(log_path),
+    }
+    if arm == "ours" and metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        cumulative = [0.0] + [float(r["wall_time_s"]) for r in rows]
+        out["rounds_s"] = [float(s) for s in np.diff(cumulative)]
+        out["rounds_cpu_s"] = [float(s) for s in np.diff(rows_cpu_s)]  # rounds 2 ... n
+        out["accuracy"] = rows[-1]["accuracy"]
+        if first_row_at is not None:  # round 1 began its own duration before its row landed
+            out["startup_s"] = first_row_at - launched - out["rounds_s"][0]
+    elif result.exists():
+        found = json.loads(result.read_text())
+        out["rounds_s"], out["accuracy"] = found["rounds_s"], found["accuracy"]
+        out["rounds_cpu_s"] = found["rounds_cpu_s"][1:]  # as ours: rounds 2 ... n
+        out["startup_s"] = found["first_round_at"] - launched
+    shutil.rmtree(scratch, ignore_errors=True)
+    if "rounds_s" in out:
+        out["round_s"] = statistics.median(out["rounds_s"])
+        out["round_cpu_s"] = statistics.median(out["rounds_cpu_s"] or [math.nan])
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm, medians over the successful repeats."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ("plain", "ours"):
+        ok = [r for r in runs if r["arm"] == arm and r["returncode"] == 0 and "round_s" in r]
+        if ok:
+            out[arm] = {
+                key: statistics.median(r[key] for r in ok)
+                for key in (
+                    "wall_s",
+                    "peak_rss_mb",
+                    "startup_s",
+                    "round_s",
+                    "round_cpu_s",
+                    "accuracy",
+                )
+            } | {"runs": len(ok)}
+    return out
+
+
+def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
+    ours, plain = summary.get("ours"), summary.get("plain")
+    if ours is None:
+        return ["ours: no successful run"]
+    lines = [
+        f"ours peak RSS {ours['peak_rss_mb']:.0f} MB (goal <= {GOALS['peak_rss_mb']:.0f}: "
+        f"{_ok(ours['peak_rss_mb'] <= GOALS['peak_rss_mb'])})",
+        f"ours start-up {ours['startup_s']:.2f} s (goal <= {GOALS['startup_s']:.0f} s: "
+        f"{_ok(ours['startup_s'] <= GOALS['startup_s'])})",
+    ]
+    if plain is not None:
+        for key, what in (("round_s", "wall"), ("round_cpu_s", "CPU")):
+            ratio = ours[key] / plain[key]
+            lines.append(
+                f"ours / plain per-round {what} time {ratio:.2f}x ({ours[key]:.3f} s vs "
+                f"{plain[key]:.3f} s; goal <= {GOALS['round_ratio']}x: "
+                f"{_ok(ratio <= GOALS['round_ratio'])})"
+            )
+    return lines
+
+
+def _ok(passed: bool) -> str:
+    return "met" if passed else "MISSED"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", type=int, default=1_000_000)
+    parser.add_argument("--per-round", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--strategy", default="fedavg", help="our arm's strategy")
+    parser.add_argument("--arms", default="plain,ours")
+    parser.add_argument("--out", type=Path, default=REPO / "experiments/out/bench_scale.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        plain_worker(args.clients, args.per_round, args.rounds, args.result)
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    arms = [a for a in ("plain", "ours") if a in args.arms.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out.with_suffix(".logs")
+    log_dir.mkdir(exist_ok=True)
+    git = git_state()
+    runs = []
+    for repeat in range(args.repeats):
+        for arm in arms:  # interleaved, so drift of the machine hits both arms alike
+            run = run_arm(arm, args, log_dir, repeat)
+            runs.append(run)
+            shown = {k: round(v, 3) for k, v in run.items() if isinstance(v, float)}
+            print(f"[{repeat}] {arm:5s} rc={run['returncode']} {shown}", flush=True)
+    summary = summarize(runs)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpus": os.cpu_count(),
+        "load1_at_end": os.getloadavg()[0],
+        "git": git,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": summary,
+        "runs": runs,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for arm, s in summary.items():
+        print(
+            f"{arm:5s} peak RSS {s['peak_rss_mb']:.0f} MB, start-up {s['startup_s']:.2f} s, "
+            f"round {s['round_s']:.3f} s ({s['round_cpu_s']:.3f} CPU s), wall {s['wall_s']:.1f} s, "
+            f"accuracy {s['accuracy']:.4f}"
+        )
+    for line in verdicts(summary):
+        print(line)
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

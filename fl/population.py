@@ -1,0 +1,82 @@
+"""A population of nodes held as arrays: millions of node ids cost bytes, not objects.
+
+`NodeIds` is a sequence of node ids in one uint64 array (Flower's id type);
+`PartitionMap` maps node id -> partition for partitions `0 … n-1`. The local engine
+assigns its nodes this way, and the round loop selects among them in partition order
+without a Python object per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NodeIds", "PartitionMap", "nodes_by_partition"]
+
+
+class NodeIds(Sequence[int]):
+    """Node ids (unsigned 64-bit, as Flower's) held as one array; items read back as Python ints."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = np.asarray(ids, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return NodeIds(self.ids[i])
+        return int(self.ids[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids.tolist())
+
+    def where(self, mask: np.ndarray) -> NodeIds:
+        """The ids where `mask` (one bool per id) is True, in the same order."""
+        return NodeIds(self.ids[mask])
+
+
+class PartitionMap(Mapping[int, int]):
+    """node id -> partition for partitions `0 … n-1`, from the node of each partition.
+
+    Three 8-byte arrays (24 bytes a node) instead of a dict of Python ints; a lookup is a
+    binary search.
+    """
+
+    def __init__(self, by_partition: np.ndarray) -> None:
+        self.by_partition = NodeIds(by_partition)
+        order = np.argsort(self.by_partition.ids, kind="stable")
+        self._nodes, self._partitions = self.by_partition.ids[order], order
+        if len(self._nodes) > 1 and not bool(np.all(np.diff(self._nodes) > 0)):
+            raise ValueError("a node id holds several partitions")
+
+    def __getitem__(self, node: int) -> int:
+        if not isinstance(node, int | np.integer) or isinstance(node, bool):
+            raise KeyError(node)
+        try:  # searched as uint64: a Python int would make NumPy convert the whole array
+            key = np.uint64(node)
+        except OverflowError:  # an id outside uint64 is no node of ours
+            raise KeyError(node) from None
+        i = int(np.searchsorted(self._nodes, key))
+        if i == len(self._nodes) or self._nodes[i] != key:
+            raise KeyError(node)
+        return int(self._partitions[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._nodes.tolist())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+
+def nodes_by_partition(partitions: Mapping[int, int], num_partitions: int) -> NodeIds:
+    """The node holding each partition `0 … num_partitions-1` (each held once, as
+    `discover_partitions` guarantees), in partition order."""
+    if isinstance(partitions, PartitionMap):
+        return partitions.by_partition
+    ids = np.zeros(num_partitions, dtype=np.uint64)
+    for node, partition in partitions.items():
+        ids[partition] = node
+    return NodeIds(ids)

@@ -1,0 +1,144 @@
+"""Population scale on one machine: lazy clients, compact node states, exact resume.
+
+A client's data depends on (seed, client id) alone; the local engine builds a node's
+Context only for a message to it and keeps only non-empty states, in memory or spilled
+to SQLite, restored exactly by a resume. Counts, not timings, show that the cost follows
+the clients that train rather than the population.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from conftest import train_in_process, without_wall_time
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from fl.config import compose
+from fl.data import SyntheticDevices
+from fl.engines.local import LocalGrid
+from fl.engines.node_states import NodeStates
+from fl.population import PartitionMap
+from fl.task import get_task
+from server.checkpoint import load_checkpoint, save_checkpoint
+
+SMALL_TASK = ["task=synthetic", "partition=natural", "task.options.dim=8", "task.hidden=[8]"]
+# APF keeps a synced copy of the model and mask on each client it trained (Context.state).
+APF = ["strategy=apf", "strategy.ema_alpha=0.5", "strategy.threshold=0.3", "local_epochs=1"]
+
+
+def _run(out, clients: int, per_round: int, rounds: int, *extra: str, **grid_options):
+    overrides = [
+        *SMALL_TASK,
+        f"num_clients={clients}",
+        f"clients_per_round={per_round}",
+        f"rounds={rounds}",
+        *extra,
+    ]
+    grid = partial(LocalGrid, announces_partitions=True, **grid_options)
+    return train_in_process(out, *overrides, grid_class=grid)
+
+
+def test_a_client_gets_the_same_data_whatever_the_population_and_order():
+    small, huge = SyntheticDevices(3, 50), SyntheticDevices(3, 2_000_000)
+    assert np.array_equal(small.train_sizes, huge.train_sizes[:50])
+    huge.train(41)  # another client first: no effect on client 7
+    for a, b in zip(small.train(7), huge.train(7), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(small.train(7)[0][:5], small.train(8)[0][:5])
+    # the eager dataset holds the same clients, device by device
+    eager = small.dataset()
+    assert eager.groups is not None
+    assert torch.equal(eager.x_train[eager.groups == 7], small.train(7)[0])
+    # through a run's task: the same client of a 50- and of a 1,000,000-client run
+    tasks = [get_task(compose([*SMALL_TASK, f"num_clients={n}"])) for n in (50, 1_000_000)]
+    assert all(t.partitions is None for t in tasks)  # nothing built per client up front
+    assert len(tasks[1].sizes) == 1_000_000
+    for a, b in zip(tasks[0].client_data(13), tasks[1].client_data(13), strict=True):
+        assert torch.equal(a, b)
+    assert len(tasks[1].dataset.y_train) == 0  # clients' data is generated when asked
+
+
+def test_partition_map_holds_a_population_as_arrays():
+    ids = np.array([40, 10, 30, 20], dtype=np.int64)  # partition p -> node ids[p]
+    nodes = PartitionMap(ids)
+    assert dict(nodes) == {10: 1, 20: 3, 30: 2, 40: 0} and list(nodes) == [10, 20, 30, 40]
+    assert list(nodes.by_partition) == [40, 10, 30, 20]
+    assert 25 not in nodes and 2**70 not in nodes and nodes.get(99) is None
+    with pytest.raises(ValueError, match="several partitions"):
+        PartitionMap(np.array([5, 5]))
+
+
+def test_contexts_are_built_only_for_the_nodes_that_train(tmp_path):
+    """200,000 clients, 6 a round: the engine builds one Context per message and keeps
+    the states of the clients that trained, never one object per node of the population."""
+    rows, grid = _run(tmp_path, 200_000, 6, 2, *APF)
+    assert [r["replies"] for r in rows] == [6, 6]
+    # 12 train messages (no partition queries), one Context each, never two alive at once
+    # (workers=1); APF's synced copies kept for the 12 clients that trained
+    assert (grid.built, grid.peak_live, len(grid.states)) == (12, 1, 12)
+
+
+def test_node_states_round_trip_exactly_in_memory_and_in_sqlite(tmp_path):
+    state = RecordDict(
+        {
+            "copy": ArrayRecord({"w": Array(np.arange(6, dtype=np.float32).reshape(2, 3))}),
+            "meta": ConfigRecord({"version": 3, "mask": b"\x01\x00", "name": "x"}),
+        }
+    )
+    memory, spilled = NodeStates(), NodeStates(tmp_path, memory_bytes=0)
+    for store in (memory, spilled):
+        store.put(2**61, state)
+        store.put(5, RecordDict())  # empty: nothing kept
+        assert list(store) == [2**61] and len(store) == 1
+        back = store.get_state(2**61)
+        assert np.array_equal(back["copy"]["w"].numpy(), state["copy"]["w"].numpy())
+        assert dict(back["meta"]) == dict(state["meta"])
+        assert len(store.get_state(5)) == 0
+    assert spilled.spilled and not memory.spilled
+    assert list(tmp_path.glob("node-states-*.sqlite"))
+    # what a checkpoint saves: only non-empty states, restored into a fresh grid
+    save_checkpoint(tmp_path / "ck.pt", {"nodes": spilled, "rest": 1})
+    saved = load_checkpoint(tmp_path / "ck.pt", required=("nodes",))["nodes"]
+    spilled.close()
+    assert not list(tmp_path.glob("node-states-*.sqlite"))
+    grid = LocalGrid(lambda m, c: m, 3, {})
+    node = grid.nodes.by_partition[1]
+    grid.load_state_dict({node: saved[2**61]})
+    assert dict(grid.context(node).state["meta"]) == dict(state["meta"])
+    assert len(grid.context(grid.nodes.by_partition[0]).state) == 0
+    with pytest.raises(ValueError, match="not in this grid"):
+        grid.load_state_dict({7: state})
+
+
+def test_resume_with_states_spilled_to_sqlite_matches_an_uninterrupted_run(tmp_path):
+    """APF's clients keep synced copies: a resumed run (states through SQLite and the
+    checkpoint) must send and receive exactly what an uninterrupted one does."""
+    full, grid = _run(tmp_path / "full", 12, 5, 4, *APF)
+    assert len(grid.states) > 5 and not grid.states.spilled
+    _run(tmp_path / "cut", 12, 5, 2, *APF, spill_dir=tmp_path, state_memory_bytes=0)
+    resumed, grid = _run(
+        tmp_path / "cut", 12, 5, 4, *APF, "resume=true", spill_dir=tmp_path, state_memory_bytes=0
+    )
+    assert grid.states.spilled
+    assert [r["round"] for r in resumed] == [1, 2, 3, 4]
+    assert without_wall_time(resumed) == without_wall_time(full)
+
+
+def test_a_context_is_what_a_supernode_would_hold():
+    seen: list[tuple[int, int]] = []
+
+    def app(msg: Message, context: Context) -> Message:
+        seen.append((context.node_config["partition-id"], context.node_config["num-partitions"]))
+        return Message(RecordDict(), reply_to=msg)
+
+    grid = LocalGrid(app, 50_000, {"k": "v"}, seed=2)
+    node = grid.nodes.by_partition[49_999]
+    context = grid.context(node)
+    assert (context.node_id, context.run_config) == (node, {"k": "v"})
+    (reply,) = grid.send_and_receive([Message(RecordDict(), node, "query.x")])
+    assert reply.metadata.src_node_id == node and seen == [(49_999, 50_000)]
+    assert (grid.built, grid.live) == (1, 0)
+    assert grid.partition_map() is None  # this app does not announce its node config
