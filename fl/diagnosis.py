@@ -1,24 +1,49 @@
 """Training diagnosis: pure functions and small state of model-update statistics.
 
-Strategies (and metric grafting) compose these with their own actions; nothing here
-decides anything.
+Strategies (and metric grafting, `strategies/graft.py`) compose these with actions
+(`fl.actions`) and control laws (`fl.laws`); nothing here decides anything. Every
+`Diagnosis` is computed on the server from what a round already brings it (the global
+model before and after, the accepted client updates and their reported losses): no
+extra traffic, nothing private beyond the updates themselves.
+
+The catalogue (spec algorithms_b.md §4.2; the grafting study itself is our
+reconstruction, the paper's text being unavailable): loss ratio (AdaComm,
+AdaQuantFL), gradient-consistent rate (GIFT, PAS), effective stepping rate (APF),
+second-order oscillation ratio (FedSU), relevance (CMFL), significance (Gaia).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fl.state import checkpointable
 
+if TYPE_CHECKING:
+    from fl.speculation import LinearityTest
+
 __all__ = [
+    "DIAGNOSES",
+    "SCOPES",
     "ConsistencyEMA",
+    "ConsistencyRate",
+    "Diagnosis",
+    "LossRatio",
+    "OscillationRatio",
     "PerturbationEMA",
     "PlateauDetector",
+    "Relevance",
+    "RoundView",
+    "Significance",
+    "SteppingRate",
     "check_tuning_settings",
     "consistency",
     "consistency_ratio",
+    "make_diagnosis",
+    "pool",
 ]
 
 
@@ -180,3 +205,183 @@ class PlateauDetector:
         self.low[where] = torch.inf
         self.low_round[where] = server_round
         self.window[where] *= self.growth
+
+
+# ----- the common interface of metric grafting -------------------------------------------
+SCOPES = ("global", "layer", "scalar")
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the server knows once a round is aggregated: all a diagnosis may read."""
+
+    server_round: int
+    before: torch.Tensor  # the global vector the round's clients started from
+    after: torch.Tensor  # the new global vector
+    deltas: torch.Tensor  # (clients, scalars): each accepted update minus `before`
+    losses: torch.Tensor  # (clients,): their reported mean training loss
+    weights: torch.Tensor  # (clients,): their (bounded) example counts
+    sizes: tuple[int, ...]  # scalars per model tensor (`Layout.sizes`), for layer scope
+    active: torch.Tensor | None = None  # scalars that trained this round (None: all)
+
+    @property
+    def where(self) -> torch.Tensor:
+        """The `active` mask, all True when every scalar trained."""
+        if self.active is None:
+            return torch.ones(self.before.numel(), dtype=torch.bool)
+        return self.active
+
+
+class Diagnosis(Protocol):
+    """One training-status metric: fold a round in, return its value(s) this round.
+
+    Global metrics return one value (shape (1,)), per-scalar ones a value per scalar;
+    `pool` turns the latter into per-layer or global values. Instances are
+    `@checkpointable` dataclasses, so a run resumes with their history.
+    """
+
+    def observe(self, view: RoundView) -> torch.Tensor: ...
+
+
+def pool(values: torch.Tensor, scope: str, view: RoundView) -> torch.Tensor:
+    """Per-scalar `values` as the scope asks: as they are, the mean of each layer's
+    active scalars, or the mean over all active scalars (a scope-free value passes)."""
+    if values.numel() == 1 or scope == "scalar":
+        return values
+    where = view.where.to(values.dtype)
+    if scope == "global":
+        return (values * where).sum().reshape(1) / where.sum().clamp_min(1)
+    sums = [
+        (v * w).sum() / w.sum().clamp_min(1)
+        for v, w in zip(
+            torch.split(values, list(view.sizes)), torch.split(where, list(view.sizes)), strict=True
+        )
+    ]
+    return torch.stack(sums)
+
+
+@checkpointable
+@dataclass
+class LossRatio:
+    """F_k / F_0: the round's example-weighted mean training loss over the first round's
+    (AdaComm, Wang & Joshi; AdaQuantFL, Jhunjhunwala et al.). Starts at 1, falls as the
+    model learns."""
+
+    first: float = math.nan
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        loss = float((view.losses * view.weights).sum() / view.weights.sum())
+        if math.isnan(self.first):
+            self.first = loss
+        return torch.tensor([loss / self.first if self.first > 0 else 1.0])
+
+
+@checkpointable
+@dataclass
+class ConsistencyRate:
+    """Gradient-consistent rate R = |P + N| / (P - N) with PAS's bilateral EMA pooling
+    (`ConsistencyEMA`), per scalar; GIFT's model-level value is its global mean."""
+
+    ema: ConsistencyEMA
+
+    @classmethod
+    def fresh(cls, numel: int, theta: float) -> ConsistencyRate:
+        return cls(ConsistencyEMA.zeros(numel, theta))
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        return self.ema.update(view.deltas)
+
+
+@checkpointable
+@dataclass
+class SteppingRate:
+    """APF's effective stepping rate |EMA(Δ)| / EMA(|Δ|) of each scalar's global update,
+    folded in only where the scalar trained (1, "unstable", before its first move)."""
+
+    ema: PerturbationEMA
+
+    @classmethod
+    def fresh(cls, numel: int, alpha: float) -> SteppingRate:
+        return cls(PerturbationEMA.zeros(numel, alpha))
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        return self.rate(view.after - view.before, view.where)
+
+    def rate(self, change: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """Fold `change` in where `where` holds; the rate of every scalar (1 elsewhere)."""
+        rate = torch.ones(change.numel())
+        rate[where] = self.ema.update(change, where)
+        return rate
+
+
+@checkpointable
+@dataclass
+class OscillationRatio:
+    """FedSU's second-order oscillation ratio |EMA(g')| / EMA(|g'|) of the global round
+    updates g (`fl.speculation.LinearityTest`): near 0 where a scalar moves linearly."""
+
+    test: LinearityTest
+
+    @classmethod
+    def fresh(cls, numel: int, theta: float) -> OscillationRatio:
+        from fl.speculation import LinearityTest  # it builds on this module's EMA
+
+        return cls(LinearityTest.fresh(numel, theta))
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        return self.test.update(view.after - view.before, view.where)
+
+
+@checkpointable
+@dataclass
+class Relevance:
+    """CMFL's relevance: the share of scalars whose client update has the sign of the last
+    global update (product >= 0), example-weighted over the round's clients (1 before
+    any global update is known). Wang, Wang & Li, ICDCS 2019."""
+
+    last_update: torch.Tensor | None = None
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        if self.last_update is None:
+            value = torch.ones(1)
+        else:
+            where = view.where
+            agree = (view.deltas[:, where] * self.last_update[where] >= 0).double().mean(1)
+            value = ((agree * view.weights).sum() / view.weights.sum()).float().reshape(1)
+        self.last_update = view.after - view.before
+        return value
+
+
+@checkpointable
+@dataclass
+class Significance:
+    """Gaia's significance |w_before / w_after - 1| per scalar, reported as 1 where it
+    exceeds `threshold` (Gaia's 0.01) and 0 elsewhere, so its global mean is the share of
+    significant scalars. Hsieh et al., NSDI 2017."""
+
+    threshold: float = 0.01
+
+    def observe(self, view: RoundView) -> torch.Tensor:
+        change = (view.before - view.after).abs()
+        relative = change / view.after.abs().clamp_min(torch.finfo(change.dtype).tiny)
+        return (relative > self.threshold).float()
+
+
+# name -> (factory from (numel, smoothing), whether its values are per scalar)
+DIAGNOSES: dict[str, tuple[Any, bool]] = {
+    "loss": (lambda numel, smoothing: LossRatio(), False),
+    "consistency": (ConsistencyRate.fresh, True),
+    "stepping": (SteppingRate.fresh, True),
+    "oscillation": (OscillationRatio.fresh, True),
+    "relevance": (lambda numel, smoothing: Relevance(), False),
+    "significance": (lambda numel, smoothing: Significance(), True),
+}
+
+
+def make_diagnosis(name: str, numel: int, smoothing: float) -> Diagnosis:
+    """The diagnosis called `name` for a model of `numel` scalars (`smoothing`: the EMA
+    weight of those that keep one)."""
+    if name not in DIAGNOSES:
+        raise ValueError(f"unknown diagnosis {name!r}; known: {sorted(DIAGNOSES)}")
+    factory, _ = DIAGNOSES[name]
+    return factory(numel, smoothing)

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
-from fl.config import CONF_DIR, ConfigError, preflight, to_run_config, validate
+from fl.config import CONF_DIR, ConfigError, plain, preflight, to_run_config, validate
 from fl.engines import run_engine
 from fl.errors import RunError
 from fl.tracking import refuse_existing_run
@@ -50,10 +50,29 @@ def _main(cfg: DictConfig) -> None:
         _save_overrides(out_dir, resume=bool(cfg.resume))
         with open_dict(cfg):
             cfg.output_dir = str(out_dir)
+            cfg.resume = _fork(cfg, out_dir) or cfg.resume
         print(f"fl-run: run directory {out_dir}", flush=True)
         run_engine(cfg, to_run_config(cfg))
     except (ConfigError, RunError) as err:
         raise SystemExit(f"fl-run: {err}") from None
+
+
+def _fork(cfg: DictConfig, out_dir: Path) -> bool:
+    """`fork_from`: put the source's checkpoint into this new run directory; whether the run
+    is to resume from it (not when it already holds the fork's own checkpoint: resume)."""
+    spec = cfg.get("fork_from")
+    if not spec or (cfg.resume and (out_dir / "checkpoint.pt").exists()):
+        return False
+    if cfg.engine.name == "deployment":
+        raise ConfigError(
+            "invalid config: fork_from: needs the run directory on this machine "
+            "(engine=local or flower-sim)"
+        )
+    # preparing the run directory is fl-run's job, before any engine starts
+    from server.checkpoint import fork_into
+
+    fork_into(str(spec), out_dir, plain(cfg))
+    return True
 
 
 def latest_run(root: Path = OUTPUTS) -> Path | None:

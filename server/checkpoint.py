@@ -7,6 +7,12 @@ least one whole checkpoint. Loading never executes code from the file: torch's
 state classes marked `@fl.state.checkpointable`; node states (Flower
 `RecordDict`s) travel as Flower's own protobuf bytes. A truncated, empty or garbage
 newest file falls back to the previous one.
+
+With `checkpoint_history=true` every checkpoint is also kept as
+`checkpoints/round-NNNNN.pt` (a hard link: no extra bytes until the next save replaces
+the file), so `fork_from=<run_dir>@<round>` can start a new run from any kept round.
+A fork copies that file into its own, new run directory and resumes from it there;
+the source directory is only read.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,8 @@ __all__ = [
     "CHECKPOINT",
     "CheckpointError",
     "check_resumable",
+    "fork_into",
+    "history_path",
     "load_checkpoint",
     "restore_rng",
     "rng_state",
@@ -43,6 +52,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
+HISTORY = "checkpoints"  # with checkpoint_history=true: one file per checkpointed round
 # Keys a resume may change: how long to run, how to report, which engine runs it.
 RESUMABLE_CHANGES = (
     "rounds",
@@ -54,9 +64,15 @@ RESUMABLE_CHANGES = (
     "output_dir",
     "checkpoint_every",
     "engine",
+    "transport",  # how arrays travel, never what they hold
     "logger",
     "experiment_title",
+    "fork_from",
+    "checkpoint_history",
 )
+# What a fork must share with its source: the rest (rounds, local_steps, strategy
+# parameters, seed, ...) may change, that being the point of a branch.
+FORK_KEEPS = ("strategy.name", "num_clients", "task", "partition")
 REQUIRED = ("config", "progress", "rows", "arrays", "strategy", "nodes", "rng")
 _RECORDDICT = "__recorddict_proto__"
 # numpy arrays inside strategy state (e.g. masks) are rebuilt by these, and only these.
@@ -114,11 +130,62 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     if path.exists():
         os.replace(path, path.with_name(PREVIOUS))
     os.replace(tmp, path)
+    if payload.get("config", {}).get("checkpoint_history"):
+        _keep(path, int(payload["progress"]["round"]))
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def history_path(run_dir: Path, server_round: int) -> Path:
+    """Where `checkpoint_history=true` keeps the checkpoint of `server_round`."""
+    return run_dir / HISTORY / f"round-{server_round:05d}.pt"
+
+
+def _keep(path: Path, server_round: int) -> None:
+    """Link the checkpoint just written into the history (replacing an older copy)."""
+    kept = history_path(path.parent, server_round)
+    kept.parent.mkdir(exist_ok=True)
+    tmp = kept.with_name(kept.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(path, tmp)
+    os.replace(tmp, kept)
+
+
+def _fork_source(spec: str) -> Path:
+    """The checkpoint file `<run_dir>[@<round>]` names; CheckpointError saying what exists."""
+    run_dir, at, wanted = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    source = Path(run_dir)
+    if not at:
+        return source / CHECKPOINT
+    server_round = int(wanted)
+    kept = history_path(source, server_round)
+    if kept.exists():
+        return kept
+    latest = source / CHECKPOINT
+    if latest.exists() and _read(latest, REQUIRED)["progress"]["round"] == server_round:
+        return latest
+    rounds = sorted(int(p.stem.split("-")[1]) for p in (source / HISTORY).glob("round-*.pt"))
+    raise CheckpointError(
+        f"fork_from: {source} has no checkpoint of round {server_round} (kept rounds: "
+        f"{rounds or 'none'}); run the source with checkpoint_history=true to keep every "
+        "checkpointed round"
+    )
+
+
+def fork_into(spec: str, out_dir: Path, config: Mapping[str, Any]) -> None:
+    """Make `out_dir` (a new run directory) start where the checkpoint `spec` names left
+    off: a copy of that checkpoint becomes the new run's own, which then resumes.
+
+    The fork must keep FORK_KEEPS of its source's config; everything else may differ.
+    """
+    source = _fork_source(spec)
+    saved = load_checkpoint(source)
+    _check_changes(saved["config"], config, FORK_KEEPS, kept=True, what="fork")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, out_dir / CHECKPOINT)
 
 
 def _read(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
@@ -187,21 +254,46 @@ def _show(values: Mapping[str, Any], key: str) -> str:
 
 
 def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse a resume whose config differs from the checkpoint's, except in RESUMABLE_CHANGES."""
+    """Refuse a resume whose config differs from the checkpoint's, except in RESUMABLE_CHANGES;
+    a fork's first start (`fork_from` set, the checkpoint from another run directory) only
+    in FORK_KEEPS."""
+    if current.get("fork_from") and saved.get("output_dir") != current.get("output_dir"):
+        _check_changes(saved, current, FORK_KEEPS, kept=True, what="fork")
+    else:
+        _check_changes(saved, current, RESUMABLE_CHANGES, kept=False, what="resume")
+
+
+def _check_changes(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    keys: tuple[str, ...],
+    *,
+    kept: bool,
+    what: str,
+) -> None:
+    """CheckpointError naming the keys that changed: those under `keys` (`kept`), or
+    those outside them."""
     old, new = _flatten(saved), _flatten(current)
+
+    def counts(key: str) -> bool:
+        listed = any(key == k or key.startswith(k + ".") for k in keys)
+        return listed if kept else key.split(".")[0] not in keys
+
     changed = sorted(
-        (
-            key
-            for key in old.keys() | new.keys()
-            if key.split(".")[0] not in RESUMABLE_CHANGES and old.get(key) != new.get(key)
-        ),
+        (key for key in old.keys() | new.keys() if counts(key) and old.get(key) != new.get(key)),
         key=lambda k: (not k.endswith(".name"), k),  # a changed strategy/task name first
     )
-    if changed:
-        shown = ", ".join(f"{k}: {_show(old, k)} -> {_show(new, k)}" for k in changed[:6])
-        more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+    if not changed:
+        return
+    shown = ", ".join(f"{k}: {_show(old, k)} -> {_show(new, k)}" for k in changed[:6])
+    more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+    if what == "fork":
         raise CheckpointError(
-            f"cannot resume: the config differs from the checkpoint's in {shown}{more}; "
-            "resume with the run's own settings (only rounds, time_budget_s, target_accuracy, "
-            "engine and logger may change), or start a new run in another directory"
+            f"cannot fork: the config differs from the source checkpoint's in {shown}{more}; "
+            f"a fork keeps {', '.join(FORK_KEEPS)} (the rest may change)"
         )
+    raise CheckpointError(
+        f"cannot resume: the config differs from the checkpoint's in {shown}{more}; "
+        "resume with the run's own settings (only rounds, time_budget_s, target_accuracy, "
+        "engine and logger may change), or start a new run in another directory"
+    )

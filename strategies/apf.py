@@ -6,6 +6,10 @@ at the same value on every client and left out of both upload and download, for 
 period that grows by one check interval each time it is found stable again and is
 halved when it is not (AIMD). Spec: shared/specs/algorithms_a.md §2.
 
+As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
+effective stepping rate `SteppingRate`, action = the freezing mask `FreezeMask`, law =
+`below` T_s then `aimd` of the freezing lengths.
+
 Wire protocol (ours; the paper lets each client derive the mask itself): the server
 computes the mask once per check from the synchronised model, and model and mask travel
 through the shared sync protocol (`fl.sync`): a client gets the changes since the round
@@ -25,9 +29,11 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
+from fl.actions import FreezeMask, freezing_synced
 from fl.codec import decode, encode_masked
-from fl.diagnosis import PerturbationEMA
+from fl.diagnosis import SteppingRate
 from fl.hooks import ClientHooks, Reply
+from fl.laws import below
 from fl.masking import Rollback
 from fl.records import Layout
 from fl.registry import register
@@ -67,28 +73,23 @@ class APFParams:
 
 @checkpointable
 @dataclass
-class FreezingState:
-    """Per-scalar controller state (S-APF-J Algorithm 1; `refresh_freezing_status`)."""
+class FreezingState(FreezeMask):
+    """Per-scalar controller state (S-APF-J Algorithm 1; `refresh_freezing_status`):
+    the mask and its AIMD lengths, the stepping-rate diagnosis, the current T_s."""
 
-    ema: PerturbationEMA
-    length: torch.Tensor  # L: freezing period, in check intervals
-    until: torch.Tensor  # U: check index at which the scalar is active again
-    active: torch.Tensor  # M: True where the scalar trains and travels
+    stepping: SteppingRate
     at_last_check: torch.Tensor  # global values at the previous check
-    checks: int  # c
     threshold: float  # current T_s
 
     @classmethod
     def fresh(cls, vector: torch.Tensor, params: APFParams) -> FreezingState:
-        n = vector.numel()
+        mask = FreezeMask.none_frozen(vector.numel())
+        stepping = SteppingRate.fresh(vector.numel(), params.ema_alpha)
         return cls(
-            PerturbationEMA.zeros(n, params.ema_alpha),
-            torch.zeros(n, dtype=torch.int64),
-            torch.zeros(n, dtype=torch.int64),
-            torch.ones(n, dtype=torch.bool),
-            vector.clone(),
-            0,
-            params.threshold,
+            **vars(mask),
+            stepping=stepping,
+            at_last_check=vector.clone(),
+            threshold=params.threshold,
         )
 
 
@@ -100,13 +101,8 @@ def stability_check(
     T_s is tightened on the AIMD mask alone, before APF#/APF++ add random freezing.
     """
     was_active = state.active
-    stable = state.ema.update(vector - state.at_last_check, was_active) < state.threshold
-    length = state.length[was_active]
-    length = torch.where(stable, length + 1, length // 2)
-    state.length[was_active] = length
-    state.until[was_active] = state.checks + length + 1
-    state.checks += 1
-    state.active = state.until == state.checks
+    rate = state.stepping.rate(vector - state.at_last_check, was_active)
+    state.step(below(rate[was_active], state.threshold))
     state.at_last_check = vector.clone()
     if 1 - state.active.float().mean().item() > params.tighten_above:
         state.threshold /= 2
@@ -128,16 +124,12 @@ def _freeze_at_random(state: FreezingState, params: APFParams, generator: torch.
         chosen = state.active & (draw < probability)
         longest = int(1 + params.plus_a2 * state.checks)
         lengths = torch.randint(1, longest + 1, (int(chosen.sum()),), generator=generator)
-    state.until[chosen] = state.checks + lengths
-    state.active = state.until == state.checks
+    state.freeze(chosen, lengths)
 
 
 def synced_state(params: APFParams) -> tuple[Synced, ...]:
     """Model and mask, kept in step on every client (`fl.sync`); the mask starts all True."""
-    return (
-        Synced("model", payload=True, within="mask", needed="mask" if params.lazy_frozen else None),
-        Synced("mask", dtype=torch.bool, initial=lambda n: torch.ones(n, dtype=torch.bool)),
-    )
+    return freezing_synced(params.lazy_frozen)
 
 
 class APFServer(ServerStrategy):

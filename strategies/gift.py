@@ -11,6 +11,10 @@ C has not reached a new low for W rounds, clients synchronise more often: local 
 are halved, the EMAs restart and W doubles. Our PROPOSAL, off by default, adds the
 opposite direction the abstract mentions: when C stays more than (1 + δ) above its low
 for W rounds in a row, local steps double again (up to the initial value).
+
+As metric grafting sees it (`fl.diagnosis`, `fl.laws`): diagnosis = the global mean of
+the consistent rate (`ConsistencyEMA`), action = the global sync period τ (the
+`local-steps` key), law = `PlateauDetector` stall, then `divide_int` by ρ, rounded up.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks
+from fl.laws import divide_int
 from fl.registry import register
 from fl.state import checkpointable
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -95,7 +100,11 @@ def tune_frequency(
         return state.steps
     eligible = torch.tensor([state.steps > params.min_steps])
     if bool(state.detector.step(c, server_round, eligible)[0]):
-        _change(state, max(params.min_steps, math.ceil(state.steps / params.ratio)), server_round)
+        _change(
+            state,
+            divide_int(state.steps, params.ratio, params.min_steps, round_up=True),
+            server_round,
+        )
     return state.steps
 
 

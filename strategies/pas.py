@@ -19,6 +19,10 @@ halves them itself), a returning client the periods changed since the round it l
 a new one those that differ from τ_0; the whole period vector (2 B each) only when that
 is cheaper. The model travels dense. Replies carry one array per period group
 (`fl.codec`'s `grouped`), smallest period first.
+
+As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
+per-scalar consistent rate (`ConsistencyEMA`), action = per-scalar periods
+(`shorten_periods`, `PeriodGroups`), law = `PlateauDetector` stall, then `divide` by γ.
 """
 
 from __future__ import annotations
@@ -31,10 +35,17 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
+from fl.actions import (
+    PeriodGroups,
+    group_sizes,
+    period_upload_parts,
+    periods_synced,
+    shorten_periods,
+    shortest_period,
+)
 from fl.codec import decode, encode_grouped
 from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
 from fl.hooks import ClientHooks, Reply
-from fl.masking import Rollback
 from fl.records import Layout
 from fl.registry import register
 from fl.state import checkpointable
@@ -57,10 +68,7 @@ class PASParams:
     @property
     def min_period(self) -> int:
         """τ_min: τ_0 divided by γ `levels` times (scale-free, so presets can scale τ_0)."""
-        period = self.initial_period
-        for _ in range(self.levels):
-            period = max(1, int(period / self.ratio))
-        return period
+        return shortest_period(self.initial_period, self.ratio, self.levels)
 
     def validate(self) -> None:
         if self.initial_period < 1:
@@ -78,22 +86,13 @@ class PASParams:
 def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> torch.Tensor:
     """τ[x] ← max(τ_min, floor(τ[x] / γ)) for the scalars in `where` (mask or indices),
     in place; returns `periods`."""
-    shorter = torch.floor(periods[where] / params.ratio).to(periods.dtype)
-    periods[where] = shorter.clamp_min(params.min_period)
-    return periods
+    return shorten_periods(periods, where, params.ratio, params.min_period)
 
 
 def synced_state(params: PASParams) -> tuple[Synced, ...]:
     """The periods, kept in step on every client (`fl.sync`): τ_0 to start with, halved by
     the same rule on both sides."""
-    return (
-        Synced(
-            "periods",
-            dtype=torch.int16,
-            initial=lambda n: torch.full((n,), params.initial_period, dtype=torch.int64),
-            advance=lambda periods, index: shorten(periods, index, params),
-        ),
-    )
+    return (periods_synced(params.initial_period, lambda p, index: shorten(p, index, params)),)
 
 
 @checkpointable
@@ -128,13 +127,6 @@ def tune_periods(
     shorten(state.periods, stalled, params)
     state.ema.reset(stalled)
     return rate, stalled
-
-
-# ----- reply layout: one array per period group ----------------------------------------
-def group_sizes(periods: torch.Tensor) -> list[tuple[int, int]]:
-    """(period, number of scalars) for each distinct period, smallest first."""
-    values, counts = torch.unique(periods, sorted=True, return_counts=True)
-    return [(int(v), int(c)) for v, c in zip(values, counts, strict=True)]
 
 
 # ----- server half ----------------------------------------------------------------------
@@ -183,12 +175,7 @@ class PASServer(ServerStrategy):
     def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
         """Each group leaves as its period ends (from the periods the server sent, never
         the client's own account); any control bytes follow the last group."""
-        groups = group_sizes(self.round_periods)
-        steps = groups[-1][0]
-        parts = [(period / steps, 4 * n) for period, n in groups]
-        extra = max(up_bytes - sum(size for _, size in parts), 0)
-        last_fraction, last_bytes = parts[-1]
-        return (*parts[:-1], (last_fraction, last_bytes + extra))
+        return period_upload_parts(self.round_periods, up_bytes)
 
     def diagnostics(self) -> dict[str, Any]:
         out = super().diagnostics()
@@ -213,15 +200,10 @@ class PASHooks(ClientHooks):
         periods = SyncClient(synced_state(self.params)).receive(content, state, layout)["periods"]
         layout.load_into(model, decode(content, layout))
         self.layout, self.periods = layout, periods
-        self.boundaries = {p for p, _ in group_sizes(periods)[:-1]}  # all but the last group
-        self.rollback: Rollback | None = None
+        self.groups = PeriodGroups(layout, periods)
 
     def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> bool:
-        if self.rollback is not None:
-            self.rollback()
-        if step in self.boundaries:  # freeze this group at its current values from now on
-            current = self.layout.flatten(model.state_dict())
-            self.rollback = Rollback(model, self.layout, self.periods > step, current)
+        self.groups.after_step(step, model)
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:

@@ -1,0 +1,302 @@
+"""Metric grafting: diagnoses on hand-made updates, laws, actions, MDMA precedence, and the
+re-expressed APF / PAS / GIFT bit-identical to the code before the refactor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import train_in_process
+from flwr.app import RecordDict
+
+from fl.actions import bit_width, decode_update, encode_update
+from fl.codec import payload_traffic
+from fl.diagnosis import (
+    ConsistencyRate,
+    LossRatio,
+    OscillationRatio,
+    Relevance,
+    RoundView,
+    Significance,
+    SteppingRate,
+    pool,
+)
+from fl.laws import aimd, divide, divide_int, ratio_law
+from fl.records import Layout
+from strategies.graft import GraftParams, fresh_state, steer
+
+
+def view(
+    before: list[float],
+    after: list[float],
+    deltas: list[list[float]] | None = None,
+    losses: list[float] = (1.0,),
+    weights: list[float] = (1.0,),
+    sizes: tuple[int, ...] | None = None,
+    active: list[bool] | None = None,
+    server_round: int = 1,
+) -> RoundView:
+    n = len(before)
+    return RoundView(
+        server_round,
+        torch.tensor(before),
+        torch.tensor(after),
+        torch.tensor(deltas) if deltas is not None else torch.zeros(len(losses), n),
+        torch.tensor(list(losses)),
+        torch.tensor(list(weights)),
+        sizes or (n,),
+        None if active is None else torch.tensor(active),
+    )
+
+
+# ----- diagnoses ----------------------------------------------------------------------
+def test_loss_ratio_is_the_weighted_loss_over_the_first_rounds():
+    loss = LossRatio()
+    assert loss.observe(view([0.0], [0.0], losses=[2.0, 4.0], weights=[1.0, 3.0])).item() == 1.0
+    second = loss.observe(view([0.0], [0.0], losses=[1.0, 1.0], weights=[1.0, 3.0]))
+    assert second.item() == pytest.approx(1 / 3.5)
+
+
+def test_consistency_is_one_where_clients_agree_and_zero_where_they_cancel():
+    rate = ConsistencyRate.fresh(2, theta=0.0)
+    r = rate.observe(view([0, 0], [0, 0], deltas=[[1.0, -1.0], [1.0, 1.0]], losses=[1, 1]))
+    assert r.tolist() == [1.0, 0.0]
+
+
+def test_stepping_rate_of_a_zig_zag_is_a_third_and_never_moved_is_one():
+    stepping = SteppingRate.fresh(2, alpha=0.5)
+    assert stepping.observe(view([0.0, 0.0], [1.0, 0.0])).tolist() == [1.0, 1.0]
+    # E = 0.5*0.5 - 0.5 = -0.25, A = 0.75: 1/3
+    assert stepping.observe(view([1.0, 0.0], [0.0, 0.0]))[0].item() == pytest.approx(1 / 3)
+
+
+def test_oscillation_is_zero_for_a_straight_line_and_a_third_for_a_zig_zag():
+    line, zig = OscillationRatio.fresh(1, theta=0.5), OscillationRatio.fresh(1, theta=0.5)
+    assert line.observe(view([0.0], [1.0])).item() == 1.0  # no second difference yet
+    assert line.observe(view([1.0], [2.0])).item() == 0.0  # g' = 0: perfectly linear
+    for before, after in ((0.0, 1.0), (1.0, 0.0)):
+        zig.observe(view([before], [after]))  # g' = -2: R = 1
+    assert zig.observe(view([0.0], [1.0])).item() == pytest.approx(1 / 3)  # g' = +2
+
+
+def test_relevance_is_the_weighted_share_of_signs_agreeing_with_the_last_global_update():
+    relevance = Relevance()
+    assert relevance.observe(view([0.0, 0.0], [1.0, -1.0])).item() == 1.0  # nothing known yet
+    deltas = [[1.0, -1.0], [-1.0, -1.0]]  # 2/2 and 1/2 agree with (+, -)
+    value = relevance.observe(view([0.0, 0.0], [0.0, 0.0], deltas, [1, 1], [1.0, 3.0]))
+    assert value.item() == pytest.approx((1.0 + 3 * 0.5) / 4)
+
+
+def test_significance_flags_relative_changes_above_gaias_threshold():
+    significance = Significance(threshold=0.01)
+    flags = significance.observe(view([1.0, 1.0, 0.0], [1.005, 1.5, 0.0]))
+    assert flags.tolist() == [0.0, 1.0, 0.0]  # |1/1.005 - 1| < 0.01; 0/0: no change
+
+
+def test_pooling_per_layer_and_globally_over_the_active_scalars():
+    v = view([0.0] * 4, [0.0] * 4, sizes=(1, 3), active=[True, True, False, True])
+    values = torch.tensor([1.0, 0.2, 9.0, 0.4])
+    assert pool(values, "layer", v).tolist() == pytest.approx([1.0, 0.3])
+    assert pool(values, "global", v).item() == pytest.approx(1.6 / 3)
+    assert torch.equal(pool(values, "scalar", v), values)
+
+
+# ----- laws ---------------------------------------------------------------------------
+def test_laws_by_hand():
+    assert aimd(torch.tensor([0, 3, 3]), torch.tensor([True, True, False])).tolist() == [1, 4, 1]
+    assert divide(torch.tensor([200, 25, 13]), 2.0, 12).tolist() == [100, 12, 12]
+    assert divide_int(5, 2.0, 1, round_up=True) == 3
+    assert ratio_law(0.25, 8, 0.5, 1, 8) == 4  # AdaComm: ceil(sqrt(1/4) * 8)
+    assert ratio_law(0.25, 4, -0.5, 1, 32, whole=False) == 8  # AdaQuantFL: sqrt(4) * 4 bits
+    assert [bit_width(b) for b in (1, 8, 8.01, 16, 17)] == [8, 8, 16, 16, 32]
+
+
+# ----- actions move when and only when the diagnosis crosses the law's threshold -------
+def _steer(params: GraftParams, state, values: dict[str, list[float]], server_round: int):
+    n = len(next(iter(values.values())))
+    v = view([0.0] * n, [0.0] * n, server_round=server_round)
+    steer(state, params, {k: torch.tensor(x) for k, x in values.items()}, v)
+
+
+def test_freezing_moves_exactly_at_the_threshold():
+    params = GraftParams(diagnosis="stepping", action="freeze", threshold=0.05)
+    state = fresh_state(params, 3)
+    _steer(params, state, {"stepping": [0.0499, 0.05, 0.9]}, 1)
+    assert state.freeze.active.tolist() == [False, True, True]
+    assert state.freeze.length.tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize(("second", "moved"), [(0.766, False), (0.765, True)])
+def test_adacomm_period_moves_only_once_the_ratio_crosses_a_whole_step(second, moved):
+    # τ_0 = 8: ceil(sqrt(m) * 8) < 8 first when m <= (7/8)^2 = 0.765625
+    params = GraftParams(diagnosis="loss", action="period", initial_steps=8)
+    state = fresh_state(params, 1)
+    _steer(params, state, {"loss": [2.0]}, 1)  # first value: the ratio's base
+    assert state.settings["period"].value == 8
+    _steer(params, state, {"loss": [2.0 * second]}, 2)
+    assert state.settings["period"].value == (7 if moved else 8)
+    assert [m[1] for m in state.moves] == (["period"] if moved else [])
+
+
+def test_plateau_law_halves_the_period_at_the_stall_round_and_not_before():
+    params = GraftParams(
+        diagnosis="consistency", action="period", law="plateau", window=2, warmup=0
+    )
+    state = fresh_state(params, 1)
+    series = [0.5, 0.4, 0.4, 0.4, 0.4]  # low at round 2; > W = 2 rounds later: round 5
+    periods = []
+    for r, value in enumerate(series, start=1):
+        _steer(params, state, {"consistency": [value]}, r)
+        periods.append(state.settings["period"].value)
+    assert periods == [8, 8, 8, 8, 4]
+
+
+def test_mdma_freezes_first_then_pools_the_period_metric_over_the_unfrozen_part():
+    params = GraftParams(
+        diagnosis="stepping+consistency+loss", action="freeze+period+bits", initial_steps=8
+    )
+    state = fresh_state(params, 4)
+    ones = [1.0] * 4
+    _steer(params, state, {"stepping": ones, "consistency": ones, "loss": [1.0]}, 1)
+    # the two scalars frozen now are inconsistent; over all four the mean (0.505) would
+    # take τ to ceil(sqrt(0.505) * 8) = 6, over the unfrozen part it is 1: τ stays 8
+    values = {"stepping": [0.0, 0.0, 1.0, 1.0], "consistency": [0.01, 0.01, 1.0, 1.0]}
+    _steer(params, state, {**values, "loss": [1.0]}, 2)
+    assert state.freeze.active.tolist() == [False, False, True, True]
+    assert state.settings["period"].value == 8
+    assert state.settings["bits"].value == 8
+    # bits apply to the unfrozen payload: two int8 codes and one float32 scale
+    layout = Layout.of({"w": torch.zeros(4)})
+    delta = torch.tensor([0.0, 0.0, 0.5, -0.25])
+    payload = encode_update(delta, layout, bits=8, mask=state.freeze.active)
+    assert payload_traffic(RecordDict(payload)).payload == 2 + 4
+    decoded = decode_update(RecordDict(payload), layout, mask=state.freeze.active)
+    assert decoded[:2].tolist() == [0.0, 0.0]
+    assert decoded[2:].tolist() == pytest.approx([0.5, -0.25], abs=0.5 / 254)
+
+
+def test_params_refuse_what_cannot_be_grafted():
+    for bad in (
+        {"action": "freeze", "diagnosis": "loss"},  # freezing needs a per-scalar metric
+        {"action": "period+bits", "diagnosis": "loss+consistency+stepping"},
+        {"action": "period+period"},
+        {"action": "freeze+scalar_period", "diagnosis": "stepping"},
+        {"diagnosis": "gradnorm"},
+    ):
+        with pytest.raises(ValueError, match="strategy"):
+            GraftParams(**bad).validate()
+
+
+@pytest.mark.slow  # the same path runs end to end in tests/test_fork.py
+def test_mdma_run_end_to_end_freezes_and_quantises(tmp_path):
+    rows, _ = train_in_process(
+        tmp_path,
+        "strategy=graft_mdma",
+        "strategy.threshold=0.3",
+        "strategy.smoothing=0.5",
+        "num_clients=4",
+        "clients_per_round=4",
+        "rounds=4",
+        "local_steps=4",
+    )
+    assert all(r["rejected"] == 0 for r in rows)
+    assert max(r["frozen_fraction"] for r in rows) > 0
+    assert all(r["upload_bits"] in (8, 16, 32) for r in rows)
+    dense_up = 4 * 4 * (rows[0]["bytes_down"] // (4 * 4))  # 4 clients x float32 model
+    assert rows[0]["payload_bytes_up"] < dense_up / 3  # 8-bit codes, nothing frozen yet
+    assert rows[-1]["accuracy"] > 0.3
+
+
+# ----- APF, PAS, GIFT re-expressed: bit-identical to the code before the refactor ------
+# Captured with the pre-refactor code (`fl-run hydra.run.dir=... <overrides>`, 2026-12-03):
+# final accuracy, loss, cumulative bytes up and down, virtual time of round 8, and the
+# per-round series of each strategy's own action.
+COMMON = ["num_clients=6", "clients_per_round=4", "rounds=8", "local_steps=8"]
+GOLDEN = {
+    "apf": (
+        [
+            "strategy=apf",
+            "strategy.ema_alpha=0.5",
+            "strategy.threshold=0.3",
+            "clients_per_round=6",
+            "system=heterogeneous",
+        ],
+        (0.8305555555555556, 0.6961566501193577, 902328, 836736, 15.396611108212488),
+        "frozen_fraction",
+        [
+            0.0,
+            0.0234927237033844,
+            0.034095633774995804,
+            0.02723492681980133,
+            0.02723492681980133,
+            0.03700623661279678,
+            0.03451143577694893,
+            0.038669437170028687,
+        ],
+    ),
+    "apf_sharp": (
+        [
+            "strategy=apf",
+            "strategy.variant=apf_sharp",
+            "strategy.ema_alpha=0.5",
+            "strategy.threshold=0.3",
+            "system=heterogeneous",
+        ],
+        (0.6972222222222222, 1.2362614101833767, 341376, 407424, 13.8919844958427),
+        "frozen_fraction",
+        [
+            0.5035343170166016,
+            0.5045738220214844,
+            0.4995841979980469,
+            0.5243242979049683,
+            0.5041580200195312,
+            0.5149688124656677,
+            0.5130977034568787,
+            0.5193347334861755,
+        ],
+    ),
+    "pas": (
+        ["strategy=pas", "strategy.window=1", "strategy.warmup=2", "system=heterogeneous"],
+        (0.7861111111111111, 0.9673016866048177, 615680, 626549, 13.897957546655356),
+        "mean_period",
+        [
+            8.0,
+            8.0,
+            8.0,
+            5.708107948303223,
+            5.107692241668701,
+            4.7575883865356445,
+            4.566319942474365,
+            3.67858624458313,
+        ],
+    ),
+    "gift": (
+        [
+            "strategy=gift",
+            "strategy.window=1",
+            "strategy.warmup=2",
+            "strategy.ema=0.5",
+            "system=heterogeneous",
+        ],
+        (0.7833333333333333, 1.0149987962510851, 615680, 615680, 9.876284521725339),
+        "local_steps",
+        [8, 8, 8, 4, 4, 4, 4, 4],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "apf",  # the default suite runs one; the slow suite all four
+        pytest.param("pas", marks=pytest.mark.slow),
+        pytest.param("apf_sharp", marks=pytest.mark.slow),
+        pytest.param("gift", marks=pytest.mark.slow),
+    ],
+)
+def test_reexpressed_strategy_is_bit_identical_to_the_original(tmp_path, name):
+    overrides, final, series_key, series = GOLDEN[name]
+    rows, _ = train_in_process(tmp_path, *COMMON, *overrides)
+    last = rows[-1]
+    keys = ("accuracy", "loss", "cum_bytes_up", "cum_bytes_down", "virtual_time_s")
+    assert tuple(last[k] for k in keys) == final
+    assert [r[series_key] for r in rows] == series
