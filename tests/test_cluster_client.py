@@ -1,0 +1,168 @@
+"""The cluster client: per-rank shares of the trainer's global batches, the share
+controller, and real gloo ranks on loopback that reproduce the full-batch gradient."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fl_env, train_in_process
+from flwr.app import Context
+
+from clients.cluster import ClusterConfig, RankBatchSampler, ShareController, cluster_check
+from clients.cluster import app as cluster_app
+from clients.trainer import TrainSettings, _batches
+from fl.engines.local import LocalGrid
+from fl.hooks import ClientHooks
+
+
+def _union_of_ranks(n: int, settings: TrainSettings, shares: list[int]) -> list[list[int]]:
+    """Each step's batch, rebuilt from every rank's sampler with fixed shares."""
+    world = len(shares)
+
+    def schedule(step: int, remaining: int) -> tuple[int, list[int]]:
+        size = min(sum(shares), remaining)
+        cut = shares if size == sum(shares) else [size] + [0] * (world - 1)
+        return sum(shares), cut
+
+    per_rank = [list(RankBatchSampler(n, settings, r, schedule)) for r in range(world)]
+    return [list(itertools.chain(*parts)) for parts in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.parametrize("steps, epochs", [(7, 0), (0, 2)])
+def test_rank_shares_rebuild_the_trainers_global_batches(steps, epochs):
+    settings = TrainSettings(steps, epochs, batch_size=24, lr=0.1, seed=5)
+    expected = [
+        b.tolist()
+        for b in _batches(100, torch.Generator().manual_seed(5), settings, ClientHooks(None))
+    ]
+    assert _union_of_ranks(100, settings, [15, 6, 3]) == expected
+    assert len(expected) == (7 if steps else 2 * 5)  # 5 batches per epoch: 4 of 24, 1 of 4
+
+
+def test_cpu_controller_moves_shares_towards_speed_and_keeps_the_batch():
+    controller = ShareController(ClusterConfig(3, predictor="last"))
+    speeds = [100.0, 300.0, 600.0]  # samples/s
+    shares = controller.shares(100)
+    assert shares == [34, 33, 33]  # nothing measured: BSP
+    for _ in range(3):
+        controller.observe(shares, [b / v for b, v in zip(shares, speeds, strict=True)])
+        shares = controller.shares(100)
+        assert sum(shares) == 100
+    assert shares == [10, 30, 60]
+    assert controller.shares(2) in ([1, 1, 0], [0, 1, 1], [1, 0, 1])  # fewer samples than ranks
+
+
+def test_cluster_config_from_the_node_config_names_bad_values():
+    assert ClusterConfig.from_node_config({"partition-id": 0}) is None
+    config = ClusterConfig.from_node_config(
+        {"cluster-ranks": 2, "cluster-slowdown": "1,3", "cluster-backend": "gloo"}
+    )
+    assert config == ClusterConfig(2, "gloo", slowdown=(1.0, 3.0))
+    for bad, match in [
+        ({"cluster-ranks": "two"}, "cluster-ranks"),
+        ({"cluster-ranks": 2, "cluster-slowdown": "1"}, "cluster-slowdown"),
+        ({"cluster-ranks": 2, "cluster-controller": "tpu"}, "cluster-controller"),
+        ({"cluster-ranks": 2, "cluster-backend": "nccl", "cluster-device": "cpu"}, "nccl"),
+        ({"cluster-ranks": 2, "cluster-caps": "4,x"}, "cluster-caps"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ClusterConfig.from_node_config(bad)
+
+
+def test_two_gloo_ranks_on_loopback_give_the_full_batch_gradient():
+    result = cluster_check(ranks=2, backend="gloo", device="cpu", steps=4, batch=96)
+    assert result["shares"] == [64, 32]  # unequal shares (forced by the per-rank caps)
+    assert result["steps"] == 4
+    assert result["grad_norm"] > 0.01
+    assert result["grad_max_abs_diff"] <= 1e-6  # vs one process on the 96 samples
+    assert result["weights_max_abs_diff"] <= 1e-6  # after 4 SGD steps
+
+
+def _run_args(*extra: str) -> tuple[str, ...]:
+    return (
+        "strategy=lbbsp",
+        "num_clients=2",
+        "clients_per_round=2",
+        "rounds=2",
+        "local_steps=3",
+        "batch_size=32",
+        "partition=iid",
+        "system=heterogeneous",
+        "system.speed_spread=4",
+        "system.bandwidth_spread=1",
+        "progress=false",
+        *extra,
+    )
+
+
+class _ClusterGrid(LocalGrid):
+    """A LocalGrid of the cluster ClientApp whose partition-0 node is a cluster."""
+
+    def __init__(
+        self, client_app: Any, num_nodes: int, run_config: dict[str, Any], cluster: dict[str, Any]
+    ) -> None:
+        super().__init__(cluster_app, num_nodes, run_config)
+        self.cluster = cluster
+
+    def context(self, node_id: int) -> Context:
+        context = super().context(node_id)
+        if context.node_config["partition-id"] == 0:
+            context.node_config.update(self.cluster)
+        return context
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_cluster_clientapp_trains_as_one_process_would(tmp_path: Path):
+    """Ranks started by rank 0 (2, one emulated 3x slower), then 3 ranks of workers
+    started once by the documented command serving both rounds: each run's metrics are
+    a one-process client's."""
+    plain, _ = train_in_process(tmp_path / "plain", *_run_args())
+    spawned = functools.partial(
+        _ClusterGrid, cluster={"cluster-ranks": 2, "cluster-slowdown": "1,3"}
+    )
+    runs = {"spawned": train_in_process(tmp_path / "spawned", *_run_args(), grid_class=spawned)[0]}
+    master = f"127.0.0.1:{_free_port()}"
+    command = ["workers", "--master", master, "--ranks", "3"]
+    workers = subprocess.Popen([sys.executable, "-m", "clients.cluster", *command], env=fl_env())
+    try:
+        external = functools.partial(
+            _ClusterGrid, cluster={"cluster-ranks": 3, "cluster-master": master}
+        )
+        runs["external"] = train_in_process(tmp_path / "ext", *_run_args(), grid_class=external)[0]
+        assert workers.poll() is None  # still serving after two rounds
+    finally:
+        workers.terminate()
+        workers.wait(timeout=30)
+    for rows in runs.values():
+        assert [r["replies"] for r in rows] == [2, 2]  # the cluster node replied each round
+        for a, b in zip(plain, rows, strict=True):
+            assert b["accuracy"] == pytest.approx(a["accuracy"], abs=1e-9)
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            assert b["batch_total"] == a["batch_total"]
+
+
+def test_gpu_check_runs_nccl_on_cuda_or_says_why_it_skipped():
+    from clients.cluster import gpu_cluster_check
+
+    result = gpu_cluster_check()
+    if not torch.cuda.is_available():
+        assert result == {"skipped": "no CUDA device: the NCCL cluster-client check needs a GPU"}
+        return
+    checks = [result[k] for k in ("nccl", "gloo_cuda") if k in result and "ranks" in result[k]]
+    assert checks, result
+    for check in checks:
+        assert check["grad_max_abs_diff"] <= 1e-6 and check["weights_max_abs_diff"] <= 1e-6
