@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all lint bench clean
+.PHONY: setup run test test-all lint bench bench-transport clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_many_clients.py --clients 1000 --rounds 3 --repeats 3
+
+bench-transport: $(STAMP)  # side channel vs Flower inline; streamed mean vs Flower's
+	$(BIN)/python experiments/bench_transport.py --json experiments/out/bench_transport.json
 
 clean:
 	rm -rf $(VENV) outputs multirun

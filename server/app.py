@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl.config import from_run_config, validate
 from fl.seeding import pin_torch_threads
+from fl.transport import transport_grid
 from server.loop import run_training
 from server.nodes import AllowedGrid, allowed_nodes, node_wait_s, wait_for_nodes
 
@@ -37,4 +38,5 @@ def main(grid: Grid, context: Context) -> None:
         grid = AllowedGrid(grid, allowed)
     wait_for_nodes(grid, cfg.num_clients, node_wait_s(cfg))
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
-    run_training(grid, cfg, out_dir)
+    with transport_grid(grid, cfg) as bulk:  # transport=grpc|rdma: arrays beside messages
+        run_training(bulk, cfg, out_dir)

@@ -1,0 +1,332 @@
+"""Bulk side channel vs Flower inline, and the streamed mean vs Flower's aggregation.
+
+`python experiments/bench_transport.py --json OUT` (`make bench-transport`) runs, side by
+side on 127.0.0.1:
+
+1. A ResNet-18-sized model (46.8 MB float32, 122 tensors) server -> client -> server
+   through a real SuperLink and SuperNode (`flwr run` of this file as a Flower App), one
+   message at a time, `repeats` per mode (after one warm-up): `inline` (the model inside
+   Flower's messages), `grpc` and `rdma` (the model on the side channel, `fl.transport`;
+   rdma only where NIXL imports). Flower's polling (the SuperNode sleeps 3 s when idle,
+   0.5 s while its ClientApp works) and the start of a fresh ClientApp process per message
+   are the same in every mode and are not the bytes' cost, so they are not counted. What
+   is counted, per message: the ServerApp's `push_messages` (inline: deflate, hash and
+   upload the model to the SuperLink; bulk: pack, hash, publish, push a small message),
+   its `pull_messages` call that returns the reply (download and inflate; bulk: plus
+   checking the upload and rebuilding the arrays), and in the ClientApp the side channel's
+   own time (fetch, check, unpack; pack, upload), timed around `bulk_mod`. For inline this
+   leaves out the SuperNode's two legs (SuperLink -> SuperNode -> ClientApp and back),
+   so `inline_s` is a lower bound of Flower's data path and the speedups are lower bounds.
+   `inline_s`, `grpc_s`, `rdma_s`: medians of those sums.
+2. The aggregation of 10 such replies: ours (`fl.streaming.streamed_weighted_mean` on the
+   decoded vectors, what `ServerStrategy.aggregate` does: `aggregate_gbps`; and from the
+   replies' ArrayRecords to the new global ArrayRecord, decoding and encoding included, as
+   Flower's function does: `aggregate_records_gbps`), Flower's `aggregate_arrayrecords` on
+   the ArrayRecords, and memcpy (np.copyto of every reply into one buffer): GB/s of reply
+   bytes read, medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+BIN = Path(sys.executable).parent
+OFFLINE = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+REPLIES = 10
+
+
+def model_shapes(mb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """ResNet-18's state_dict shapes (46.8 MB in float32); other sizes: one matrix."""
+    if abs(mb - 46.8) < 0.05:
+        import torchvision
+
+        return [(k, tuple(v.shape)) for k, v in torchvision.models.resnet18().state_dict().items()]
+    return [("w", (int(mb * 1e6 / 4 / 1000), 1000))]
+
+
+def model(mb: float, seed: int) -> dict[str, np.ndarray]:
+    """Fresh contents every call: Flower stores objects by content hash, so a repeated
+    model would not travel again."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s, dtype=np.float32) for k, s in model_shapes(mb)}
+
+
+# ----- the Flower App (loaded by the SuperLink and SuperNode from a copy of this file) -----
+
+try:  # (the launcher below needs none of this)
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+
+    from fl.records import array_to_numpy, numpy_to_array
+    from fl.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
+
+    def timed_bulk_mod(msg: Message, context: Context, call_next: Any) -> Message:
+        """`bulk_mod`, its own seconds (all it does but the handler) added to the reply."""
+        start = time.perf_counter()
+        reply = bulk_mod(msg, context, call_next)
+        metrics = reply.content["metrics"]
+        metrics["bulk-s"] = time.perf_counter() - start - float(metrics["handler-s"])
+        return reply
+
+    client = ClientApp(mods=[timed_bulk_mod])
+    server = ServerApp()
+
+    @client.train()
+    def echo(msg: Message, context: Context) -> Message:
+        """Return the model plus one, with the handler's own seconds."""
+        start = time.perf_counter()
+        arrays = msg.content["arrays"]
+        out = {k: numpy_to_array(array_to_numpy(v) + 1) for k, v in arrays.items()}
+        metrics = MetricRecord({"handler-s": time.perf_counter() - start})
+        return Message(RecordDict({"arrays": ArrayRecord(out), "metrics": metrics}), reply_to=msg)
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        """`repeats` + 1 messages per mode, one at a time; timings to the config's `out`."""
+        cfg = context.run_config
+        repeats, mb = int(cfg["repeats"]), float(cfg["mb"])
+        while not list(grid.get_node_ids()):
+            time.sleep(0.1)
+        (node,) = grid.get_node_ids()
+        grids: dict[str, Grid] = {"inline": grid}
+        for kind in ("grpc", "rdma"):
+            if kind == "grpc" or nixl_available() is None:
+                grids[kind] = BulkGrid(grid, TransportSettings(name=kind, min_bytes=1))
+        results: dict[str, list[dict[str, float]]] = {mode: [] for mode in grids}
+        seed = 0
+        for _ in range(repeats + 1):  # modes interleaved; the first round is a warm-up
+            for mode, target in grids.items():
+                seed += 1
+                arrays = {k: numpy_to_array(v) for k, v in model(mb, seed).items()}
+                results[mode].append(_round_trip(target, node, ArrayRecord(arrays)))
+        for bulk in grids.values():
+            if isinstance(bulk, BulkGrid):
+                bulk.close()
+        warm = {mode: rows[1:] for mode, rows in results.items()}
+        Path(str(cfg["out"])).write_text(json.dumps(warm))
+
+    def _round_trip(grid: Grid, node: int, arrays: ArrayRecord) -> dict[str, float]:
+        """One message there and back: push, the reply's pull, the node's side channel."""
+        start = time.perf_counter()
+        (mid,) = grid.push_messages([Message(RecordDict({"arrays": arrays}), node, "train")])
+        push_s = time.perf_counter() - start
+        while True:  # polling Flower: not counted
+            start = time.perf_counter()
+            replies = list(grid.pull_messages([mid]))
+            if replies:
+                pull_s = time.perf_counter() - start
+                break
+            time.sleep(0.005)
+        (reply,) = replies
+        if reply.has_error():
+            raise RuntimeError(f"the echo failed: {reply.error.reason}")
+        metrics = reply.content["metrics"]
+        return {"push_s": push_s, "pull_s": pull_s, "node_bulk_s": float(metrics["bulk-s"])}
+
+except ImportError:  # pragma: no cover
+    pass
+
+
+# ----- the launcher --------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, list[dict[str, float]]]:
+    """Run the App above on a SuperLink and one SuperNode on 127.0.0.1."""
+    app = root / "app"
+    app.mkdir()
+    shutil.copy(HERE, app / "bench_app.py")
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "bench-transport"\nversion = "1.0.0"\n'
+        '[tool.flwr.app]\npublisher = "adaptive-fl"\n'
+        '[tool.flwr.app.components]\nserverapp = "bench_app:server"\n'
+        'clientapp = "bench_app:client"\n'
+        '[tool.flwr.app.config]\nrepeats = 1\nmb = 1.0\nout = ""\n'
+    )
+    link_port, node_port = _free_ports(2)
+    path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = root / "flower.json"
+    with ExitStack() as stack:
+        procs: list[subprocess.Popen[bytes]] = []
+        stack.callback(lambda: [p.terminate() for p in procs] and [p.wait(30) for p in procs])
+
+        def start(name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+            home = root / name
+            home.mkdir()
+            env = {**os.environ, **OFFLINE, "FLWR_HOME": str(home), "PATH": path}
+            log = stack.enter_context((root / f"{name}.log").open("wb"))
+            proc = subprocess.Popen(cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs.append(proc)
+            return proc
+
+        link = start(
+            "superlink",
+            # (no --database: Flower's default, in-memory state, its fastest)
+            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+             "--port", str(link_port)],
+        )  # fmt: skip
+        _wait_port(link_port, link)
+        start(
+            "supernode",
+            [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
+             "--port", str(node_port), "--node-config", "partition-id=0 num-partitions=1"],
+        )  # fmt: skip
+        cli = root / "cli"
+        cli.mkdir()
+        (cli / "config.toml").write_text(
+            f'[superlink]\ndefault = "bench"\n[superlink.bench]\naddress = "127.0.0.1:{link_port}"'
+            "\ninsecure = true\n"
+        )
+        config = root / "run.toml"
+        config.write_text(f'repeats = {repeats}\nmb = {mb}\nout = "{out}"\n')
+        env = {**os.environ, **OFFLINE, "FLWR_HOME": str(cli), "PATH": path}
+        done = subprocess.run(
+            [str(BIN / "flwr"), "run", str(app), "bench", "-c", str(config), "--stream"],
+            env=env, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        if not out.exists():
+            logs = "".join(p.read_text()[-3000:] for p in root.glob("*.log"))
+            raise RuntimeError(f"the Flower run wrote no results:\n{done.stdout[-3000:]}\n{logs}")
+    return json.loads(out.read_text())
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def aggregation(mb: float, repeats: int) -> dict[str, float]:
+    """GB/s of reply bytes: ours, Flower's aggregate_arrayrecords, memcpy."""
+    import torch
+    from flwr.app import ArrayRecord, MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from fl.records import Layout, arrays_to_vector, numpy_to_array, vector_to_arrays
+    from fl.streaming import streamed_weighted_mean
+
+    torch.set_num_threads(1)  # as every run pins it (torch_threads: 1); NumPy is single-threaded
+    replies = [model(mb, 1000 + i) for i in range(REPLIES)]
+    counts = [100 + 37 * i for i in range(REPLIES)]
+    records = [
+        RecordDict(
+            {
+                "arrays": ArrayRecord({k: numpy_to_array(v) for k, v in reply.items()}),
+                "metrics": MetricRecord({"num-examples": n}),
+            }
+        )
+        for reply, n in zip(replies, counts, strict=True)
+    ]
+    layout = Layout.of({k: torch.from_numpy(v) for k, v in replies[0].items()})
+    vectors = [arrays_to_vector(r["arrays"], layout) for r in records]  # as check_reply decodes
+    weights = torch.tensor(counts, dtype=torch.float64)
+    total = sum(v.numel() * 4 for v in vectors)
+    buffer = np.empty(vectors[0].numel(), dtype=np.float32)
+
+    def memcpy() -> None:
+        for vector in vectors:
+            np.copyto(buffer, vector.numpy())
+
+    def timed(run: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return total / _median(times) / 1e9
+
+    def ours_from_records() -> None:  # records in, record out, as Flower's function
+        decoded = [arrays_to_vector(r.array_records["arrays"], layout) for r in records]
+        vector_to_arrays(streamed_weighted_mean(decoded, weights), layout)
+
+    return {
+        "aggregate_gbps": timed(lambda: streamed_weighted_mean(vectors, weights)),
+        "aggregate_records_gbps": timed(ours_from_records),
+        "flower_aggregate_gbps": timed(lambda: aggregate_arrayrecords(records, "num-examples")),
+        "memcpy_gbps": timed(memcpy),
+    }
+
+
+def summarise(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per mode the median of the counted seconds, and of each part."""
+    out: dict[str, Any] = {}
+    for mode in ("inline", "grpc", "rdma"):
+        out[f"{mode}_s"] = _median([sum(r.values()) for r in rows[mode]]) if mode in rows else None
+        for part in ("push_s", "pull_s", "node_bulk_s"):
+            if mode in rows:
+                out[f"{mode}_{part}"] = _median([r[part] for r in rows[mode]])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument("--mb", type=float, default=46.8, help="model size (46.8: ResNet-18)")
+    parser.add_argument("--repeats", type=int, default=5, help="messages per mode (medians)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp:
+        rows = flower_round_trips(args.mb, args.repeats, Path(tmp))
+    result: dict[str, Any] = {
+        "mb": args.mb,
+        "repeats": args.repeats,
+        "nixl": nixl_available() or "imports",  # why NIXL does not import, if it does not
+        **summarise(rows),
+        **aggregation(args.mb, args.repeats),
+        "rows": rows,
+    }
+    for mode, goal in (("grpc", 8.0), ("rdma", 40.0)):
+        value = result[f"{mode}_s"]
+        result[f"{mode}_speedup"] = result["inline_s"] / value if value else None
+        result[f"{mode}_goal"] = goal
+    for key in ("aggregate", "aggregate_records"):
+        result[f"{key}_speedup"] = result[f"{key}_gbps"] / result["flower_aggregate_gbps"]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

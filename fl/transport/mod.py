@@ -1,0 +1,61 @@
+"""The ClientApp's half of the side channel: a Flower mod `(msg, context, call_next)`.
+
+An instruction with an offer has its referenced arrays fetched (and checked against
+their SHA-256) before the ClientApp sees it; the reply's large arrays are uploaded and
+replaced by a reference. When the fetch fails the node answers `bulk-retry` and the
+server sends the instruction again inline; when the upload fails the reply goes inline
+with a `bulk-report`. An instruction without an offer passes through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+
+from fl.transport.grid import REPORT, RETRY
+from fl.transport.offer import OFFER, Offer
+from fl.transport.peer import fetch, upload
+from fl.transport.reference import REFERENCE, Packer, Reference, unpack
+
+__all__ = ["bulk_mod"]
+
+log = logging.getLogger(__name__)
+REASON_CHARS = 500
+
+
+def _reason(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"[:REASON_CHARS]
+
+
+def bulk_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Fetch an instruction's arrays from the side channel; send the reply's back on it."""
+    if not msg.has_content() or OFFER not in msg.content.config_records:
+        return call_next(msg, context)
+    content = RecordDict({k: v for k, v in msg.content.items() if k != OFFER})
+    try:
+        offer = Offer.parse(msg.content.config_records[OFFER])
+        if REFERENCE in content.config_records:
+            reference = Reference.parse(content.config_records[REFERENCE])
+            content = unpack(content, reference, fetch(offer, reference))
+    except Exception as err:  # any failure of the side channel: ask for the inline copy
+        log.warning("bulk fetch failed, asking for the arrays inline: %s", _reason(err))
+        return Message(RecordDict({RETRY: ConfigRecord({"reason": _reason(err)})}), reply_to=msg)
+    msg.content = content
+    reply = call_next(msg, context)
+    if not reply.has_content():
+        return reply
+    packed = Packer(offer.min_bytes).pack(reply.content)
+    if packed is None:
+        return reply
+    rest, reference, blob = packed
+    try:
+        upload(offer, reference, blob)
+    except Exception as err:  # any failure of the side channel: the reply goes inline
+        log.warning("bulk upload failed, replying inline: %s", _reason(err))
+        reply.content[REPORT] = ConfigRecord({"fallback": _reason(err)})
+        return reply
+    rest[REFERENCE] = reference.to_record()
+    reply.content = rest
+    return reply
