@@ -28,11 +28,14 @@ from fl.hooks import ClientTime
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
+from fl.transport import bulk_mod
 from privacy.dpsgd import DPSGD
 
 __all__ = ["app"]
 
-app = ClientApp(mods=[fault_mod])  # injects the configured faults (none by default)
+# bulk_mod: arrays beside Flower's messages when the server offers it (fl.transport);
+# outermost, so that faults act on the arrays as the ClientApp made them.
+app = ClientApp(mods=[bulk_mod, fault_mod])  # fault_mod: the configured faults (none by default)
 
 # Train-config keys a strategy may set per node and round (GIFT's local steps, LB-BSP's
 # batch size, 2D-LRD's learning rate); absent keys keep the run's values.
@@ -54,6 +57,7 @@ class _Setup:
     params: Any
     settings: TrainSettings
     dp: DPSGD | None  # DP-SGD settings when privacy=dpsgd
+    num_clients: int
 
 
 _SETUPS: dict[str, _Setup] = {}
@@ -72,7 +76,8 @@ def _make_setup(cfg: DictConfig) -> _Setup:
         weight_decay=cfg.weight_decay,
     )
     params = spec.make_params(strategy)
-    return _Setup(cfg.seed, get_task(cfg), spec, params, settings, DPSGD.from_config(cfg))
+    dp = DPSGD.from_config(cfg)
+    return _Setup(cfg.seed, get_task(cfg), spec, params, settings, dp, int(cfg.num_clients))
 
 
 def _node_int(context: Context, key: str, low: int) -> int:
@@ -108,10 +113,9 @@ def _setup_of(context: Context) -> _Setup:
     return _SETUPS[key]
 
 
-def _partition(context: Context) -> int:
-    """The node's partition, within the run's clients."""
+def _partition(context: Context, clients: int) -> int:
+    """The node's partition, within the run's `clients`."""
     partition = _node_int(context, "partition-id", 0)
-    clients = int(from_run_config(_run_config(context)).num_clients)
     if partition >= clients:
         raise ValueError(f"node config partition-id={partition}: the run has {clients} clients")
     return partition
@@ -132,7 +136,7 @@ def train(msg: Message, context: Context) -> Message:
     refusal = mismatch_reply(msg, config, setup.spec.name)
     if refusal is not None:
         return refusal
-    partition = _partition(context)
+    partition = _partition(context, setup.num_clients)
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
     hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
@@ -165,10 +169,11 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Accuracy and loss of the received model on this client's training data."""
-    task = _setup_of(context).task
+    setup = _setup_of(context)
+    task = setup.task
     model, layout = task.model(), task.layout
     layout.load_into(model, decode(msg.content, layout))
-    x, y = task.client_data(_partition(context))
+    x, y = task.client_data(_partition(context, setup.num_clients))
     model.eval()
     with torch.no_grad():
         logits = model(x)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import types
 from collections.abc import Mapping
 from functools import lru_cache
@@ -35,7 +36,7 @@ __all__ = [
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RUN_CONFIG_KEY = "fl-config"
 
-DATASETS = ("digits", "synthetic", "mnist", "cifar10")
+DATASETS = ("digits", "shapes", "synthetic", "mnist", "cifar10")
 MODELS = ("logreg", "mlp", "cnn", "lenet5", "resnet18")
 SCHEMES = ("iid", "dirichlet", "shards", "natural")
 ENGINES = ("local", "flower-sim", "deployment")
@@ -43,6 +44,7 @@ LOGGERS = ("jsonl", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY = ("none", "dpsgd", "central")
 MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
+FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
 OUTPUT_DIR_RULE = (
     "fl-run sets it to the Hydra run directory, so use hydra.run.dir=DIR instead "
     "(only engine=deployment takes an output_dir: an absolute path on the SuperLink's machine)"
@@ -192,6 +194,19 @@ def _validate_run(cfg: DictConfig) -> None:
         "must be a number > 0 (.inf for no bound)",
     )
     _number(cfg, "target_accuracy", 0, 1, strict=True, null=True)
+    fork = cfg.get("fork_from")
+    _require(
+        fork is None or (isinstance(fork, str) and bool(FORK_FROM.fullmatch(fork))),
+        "fork_from",
+        fork,
+        "must be null, <run_dir> or <run_dir>@<round> (round a positive integer)",
+    )
+    _require(
+        isinstance(cfg.get("checkpoint_history", False), bool),
+        "checkpoint_history",
+        cfg.get("checkpoint_history"),
+        "must be true or false",
+    )
     _number(cfg, "time_budget_s", 0, strict=True, null=True)
     output_dir = cfg.get("output_dir")
     _require(

@@ -6,17 +6,21 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fl.procedural import SHAPES, generate_shapes
+
 __all__ = [
     "DATASET_NAMES",
     "DATA_DIR_ENV",
     "Dataset",
     "DatasetNotFoundError",
+    "SyntheticDevices",
     "load_dataset",
 ]
 
@@ -37,6 +41,7 @@ _MNIST_FILES = (
 )
 _SYNTHETIC_MIN_SAMPLES = 10
 _SYNTHETIC_SIZE_SIGMA = 1.0
+_SIZES_TAG, _DEVICE_TAG, _SHARED_TAG = 0x512E, 0xDE71CE, 0x5A4ED  # seed streams of Synthetic
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,6 +110,118 @@ def _load_digits(*, seed: int, root: Path, flat: bool = True) -> Dataset:
     )
 
 
+@dataclass(frozen=True, eq=False)
+class SyntheticDevices:
+    """Synthetic(alpha, beta) of LEAF/FedProx, generated device by device.
+
+    Constants follow the FedProx paper's description (Li et al. 2020) as recalled, not
+    its released script. Per device k: u_k ~ N(0, alpha), B_k ~ N(0, beta) (alpha and
+    beta used as standard deviations); W_k, b_k entries ~ N(u_k, 1); v_k entries
+    ~ N(B_k, 1); x ~ N(v_k, diag(j^-1.2)); y = argmax(W_k x + b_k). `iid` (Synthetic-IID)
+    shares one W, b ~ N(0, 1) and one v ~ N(0, 1) across devices. Device sizes are
+    lognormal(sigma=1) with mean `samples_per_device`, at least 10; each device holds out
+    round(test_fraction * size) samples, always keeping one for training.
+
+    Device k's samples depend on (seed, k) alone, never on how many devices there are or
+    which were generated before, so a population of millions costs only its size array
+    (8 bytes a device) until a device is asked for.
+    """
+
+    seed: int
+    num_devices: int
+    alpha: float = 0.5
+    beta: float = 0.5
+    dim: int = 60
+    num_classes: int = 10
+    samples_per_device: float = 60
+    test_fraction: float = 0.2
+    iid: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.samples_per_device < math.inf:
+            raise ValueError(
+                f"samples_per_device must be > 0 and finite, got {self.samples_per_device}"
+            )
+        if not (0 <= self.alpha < math.inf and 0 <= self.beta < math.inf):
+            raise ValueError(
+                f"alpha and beta must be finite and >= 0, got {self.alpha}, {self.beta}"
+            )
+        if not 0 <= self.test_fraction < 1:
+            raise ValueError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
+        if self.num_devices < 1 or self.dim < 1 or self.num_classes < 2:
+            raise ValueError("synthetic needs num_devices >= 1, dim >= 1 and num_classes >= 2")
+
+    @cached_property
+    def sizes(self) -> np.ndarray:
+        """Samples of each device, train and test (one seeded stream: a prefix never changes)."""
+        mu = np.log(self.samples_per_device) - _SYNTHETIC_SIZE_SIGMA**2 / 2
+        drawn = np.random.default_rng([self.seed, _SIZES_TAG]).lognormal(
+            mu, _SYNTHETIC_SIZE_SIGMA, self.num_devices
+        )
+        return np.maximum(_SYNTHETIC_MIN_SAMPLES, np.rint(drawn).astype(np.int64))
+
+    @cached_property
+    def test_sizes(self) -> np.ndarray:
+        """Held-out samples of each device."""
+        return np.minimum(np.rint(self.test_fraction * self.sizes).astype(np.int64), self.sizes - 1)
+
+    @cached_property
+    def train_sizes(self) -> np.ndarray:
+        """Training samples of each device."""
+        return self.sizes - self.test_sizes
+
+    def device(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """All samples of device `k` (float32 features, int64 labels), held-out ones first."""
+        if not 0 <= k < self.num_devices:
+            raise IndexError(f"device {k} of {self.num_devices}")
+        rng = np.random.default_rng([self.seed, _DEVICE_TAG, k])
+        if self.iid:
+            w, b, v = _synthetic_device(
+                np.random.default_rng([self.seed, _SHARED_TAG]),
+                0.0,
+                0.0,
+                self.num_classes,
+                self.dim,
+            )
+        else:
+            u, big_b = rng.normal(0.0, self.alpha), rng.normal(0.0, self.beta)
+            w, b, v = _synthetic_device(rng, u, big_b, self.num_classes, self.dim)
+        std_x = np.arange(1, self.dim + 1) ** -0.6  # sqrt of the variance j^-1.2
+        x = v + rng.standard_normal((int(self.sizes[k]), self.dim)) * std_x
+        return x.astype(np.float32), np.argmax(x @ w.T + b, axis=1).astype(np.int64)
+
+    def train(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device `k`'s training samples."""
+        x, y = self.device(k)
+        n_test = int(self.test_sizes[k])
+        return torch.from_numpy(x[n_test:]), torch.from_numpy(y[n_test:])
+
+    def dataset(self, test_devices: int | None = None) -> Dataset:
+        """Every device's samples as one Dataset; `groups` holds each train sample's device.
+
+        With `test_devices`, the train split is left empty (clients read theirs through
+        `train`) and the test split is the held-out samples of the first `test_devices`.
+        """
+        lazy = test_devices is not None
+        count = self.num_devices if test_devices is None else min(self.num_devices, test_devices)
+        devices = [self.device(k) for k in range(count)]
+        held_out = [np.arange(len(y)) < self.test_sizes[k] for k, (_, y) in enumerate(devices)]
+        is_test = torch.from_numpy(np.concatenate(held_out))
+        x_all = torch.from_numpy(np.concatenate([x for x, _ in devices]))
+        y_all = torch.from_numpy(np.concatenate([y for _, y in devices]))
+        train = torch.zeros_like(is_test) if lazy else ~is_test
+        groups = np.repeat(np.arange(count, dtype=np.int64), self.train_sizes[:count])
+        return Dataset(
+            name="synthetic",
+            x_train=x_all[train],
+            y_train=y_all[train],
+            x_test=x_all[is_test],
+            y_test=y_all[is_test],
+            num_classes=self.num_classes,
+            groups=None if lazy else groups,
+        )
+
+
 def _load_synthetic(
     *,
     seed: int,
@@ -118,55 +235,12 @@ def _load_synthetic(
     test_fraction: float = 0.2,
     iid: bool = False,
 ) -> Dataset:
-    """Synthetic(alpha, beta) of LEAF/FedProx; `groups` holds each train sample's device.
-
-    Constants follow the FedProx paper's description (Li et al. 2020) as recalled, not
-    its released script. Per device k: u_k ~ N(0, alpha), B_k ~ N(0, beta) (alpha and
-    beta used as standard deviations); W_k, b_k entries ~ N(u_k, 1); v_k entries
-    ~ N(B_k, 1); x ~ N(v_k, diag(j^-1.2)); y = argmax(W_k x + b_k). `iid` (Synthetic-IID)
-    shares one W, b ~ N(0, 1) and one v ~ N(0, 1) across devices. Device sizes are
-    lognormal(sigma=1) with mean `samples_per_device`, at least 10; each device
-    holds out round(test_fraction * size) samples, always keeping one for training.
-    """
+    """Synthetic(alpha, beta) of LEAF/FedProx (`SyntheticDevices`), every device in memory."""
     del root  # generated
-    if not 0 < samples_per_device < math.inf:
-        raise ValueError(f"samples_per_device must be > 0 and finite, got {samples_per_device}")
-    if not (0 <= alpha < math.inf and 0 <= beta < math.inf):
-        raise ValueError(f"alpha and beta must be finite and >= 0, got {alpha}, {beta}")
-    if not 0 <= test_fraction < 1:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
-    if num_devices < 1 or dim < 1 or num_classes < 2:
-        raise ValueError("synthetic needs num_devices >= 1, dim >= 1 and num_classes >= 2")
-    rng = np.random.default_rng(seed)
-    mu = np.log(samples_per_device) - _SYNTHETIC_SIZE_SIGMA**2 / 2
-    sizes = np.maximum(
-        _SYNTHETIC_MIN_SAMPLES,
-        np.rint(rng.lognormal(mu, _SYNTHETIC_SIZE_SIGMA, num_devices)).astype(np.int64),
+    devices = SyntheticDevices(
+        seed, num_devices, alpha, beta, dim, num_classes, samples_per_device, test_fraction, iid
     )
-    std_x = np.arange(1, dim + 1) ** -0.6  # sqrt of the variance j^-1.2
-    shared = _synthetic_device(rng, 0.0, 0.0, num_classes, dim) if iid else None
-    xs, ys, held_out = [], [], []
-    for size in sizes:
-        w, b, v = shared or _synthetic_device(
-            rng, rng.normal(0.0, alpha), rng.normal(0.0, beta), num_classes, dim
-        )
-        x = v + rng.standard_normal((size, dim)) * std_x
-        xs.append(x)
-        ys.append(np.argmax(x @ w.T + b, axis=1))
-        n_test = min(int(np.rint(test_fraction * size)), int(size) - 1)
-        held_out.append(np.arange(size) < n_test)
-    x_all = torch.from_numpy(np.concatenate(xs).astype(np.float32))
-    y_all = torch.from_numpy(np.concatenate(ys).astype(np.int64))
-    is_test = np.concatenate(held_out)
-    return Dataset(
-        name="synthetic",
-        x_train=x_all[~is_test],
-        y_train=y_all[~is_test],
-        x_test=x_all[is_test],
-        y_test=y_all[is_test],
-        num_classes=num_classes,
-        groups=np.repeat(np.arange(num_devices, dtype=np.int64), sizes)[~is_test],
-    )
+    return devices.dataset()
 
 
 def _synthetic_device(
@@ -246,8 +320,31 @@ def _require_files(folder: Path, names: tuple[str, ...], how: str) -> None:
         )
 
 
+def _load_shapes(
+    *,
+    seed: int,
+    root: Path,
+    train_size: int = 12_000,
+    test_size: int = 2_000,
+    **options: Any,
+) -> Dataset:
+    """Generated shape images (fl/procedural.py): a harder vision task with nothing to download."""
+    del root  # generated
+    x_train, y_train = generate_shapes(train_size, seed=seed, **options)
+    x_test, y_test = generate_shapes(test_size, seed=seed + 1_000_003, **options)
+    return Dataset(
+        name="shapes",
+        x_train=torch.from_numpy(x_train),
+        y_train=torch.from_numpy(y_train),
+        x_test=torch.from_numpy(x_test),
+        y_test=torch.from_numpy(y_test),
+        num_classes=len(SHAPES),
+    )
+
+
 _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": _load_digits,
+    "shapes": _load_shapes,
     "synthetic": _load_synthetic,
     "mnist": _load_mnist,
     "cifar10": _load_cifar10,

@@ -31,6 +31,7 @@ from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode
 from fl.records import Layout, vector_to_arrays, wire_dtype
 from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.roundrobin import RoundRobin
+from fl.streaming import streamed_weighted_mean
 from fl.sync import Synced, SyncServer
 
 __all__ = ["ClientUpdate", "ReplyInfo", "RoundStats", "ServerStrategy", "UploadParts"]
@@ -130,7 +131,10 @@ class ServerStrategy(FedAvg):
         self.global_vector = torch.empty(0)
         self.stats = RoundStats()  # of the current round, over all its exchanges
         self._stats_round = 0  # the round `stats` belongs to
-        self.reachable: Callable[[int, list[int]], list[int]] = lambda rnd, nodes: nodes
+        # the nodes a round may select, in a fixed order (the loop's: partition order)
+        self.reachable: Callable[[int, Grid], Sequence[int]] = lambda rnd, grid: sorted(
+            grid.get_node_ids()
+        )
         self.wanted: int | None = None  # nodes to select this round (loop's choice), else k
         self.reply_info: dict[int, ReplyInfo] = {}  # set by the loop before aggregation
         self.extra_config: Callable[[int], dict[str, Any]] = lambda node: {}  # loop's keys
@@ -141,7 +145,7 @@ class ServerStrategy(FedAvg):
     def attach(
         self,
         *,
-        reachable: Callable[[int, list[int]], list[int]],
+        reachable: Callable[[int, Grid], Sequence[int]],
         extra_config: Callable[[int], dict[str, Any]],
         staleness_exponent: float,
     ) -> None:
@@ -235,8 +239,7 @@ class ServerStrategy(FedAvg):
             self.on_round_start(server_round)
             if self.sync is not None:
                 self.sync.publish(server_round, self.synced())
-        nodes = sorted(grid.get_node_ids())
-        chosen = self.select(server_round, self.reachable(server_round, nodes))
+        chosen = self.select(server_round, self.reachable(server_round, grid))
         if first:
             self.stats, self._stats_round = RoundStats(), server_round
         self.stats.sent.extend(chosen)
@@ -399,9 +402,14 @@ class ServerStrategy(FedAvg):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
         """New global vector: the configured rule (`fl.robust`), by default the
-        example-weighted mean of the client vectors (counts already bounded)."""
+        example-weighted mean of the client vectors (counts already bounded), summed in
+        float64 block by block without stacking the replies (`fl.streaming`); the robust
+        rules need the stack."""
         weights = torch.tensor([u.num_examples for u in updates], dtype=torch.float64)
-        return self.aggregator(torch.stack([u.vector for u in updates]), weights)
+        vectors = [u.vector for u in updates]
+        if self.aggregator.name == "mean":
+            return streamed_weighted_mean(vectors, weights)
+        return self.aggregator(torch.stack(vectors), weights)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

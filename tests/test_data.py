@@ -11,6 +11,7 @@ import torch
 import torchvision.datasets.cifar
 import torchvision.datasets.mnist
 
+from fl.config import DATASETS
 from fl.data import (
     DATA_DIR_ENV,
     DATASET_NAMES,
@@ -132,9 +133,9 @@ def test_synthetic_rejects_non_positive_sizes() -> None:
 
 
 def test_unknown_dataset_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="digits, synthetic, mnist, cifar10"):
+    with pytest.raises(ValueError, match="digits, shapes, synthetic, mnist, cifar10"):
         load_dataset("femnist", seed=0)
-    assert DATASET_NAMES == ("digits", "synthetic", "mnist", "cifar10")
+    assert DATASET_NAMES == DATASETS  # the config check accepts exactly what loads
 
 
 # --- file-backed: missing files --------------------------------------------------------
