@@ -54,7 +54,7 @@ def _round(behaviour: dict[int, str], num_nodes: int = 4, bounded: bool = False,
     grid = LocalGrid(_client(behaviour), num_nodes, {})
     strategy = ServerStrategy(FedAvgParams(), seed=0, clients_per_round=num_nodes, **kwargs)
     if bounded:  # what the round loop sets: each node's partition size (here p + 1)
-        partitions = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
+        partitions = dict(grid.nodes)
         strategy.bound_examples(ExampleBounds({n: p + 1 for n, p in partitions.items()}))
     messages = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
     replies = grid.send_and_receive(messages)
@@ -145,9 +145,9 @@ def test_a_bounded_reversed_update_with_an_inflated_claim_cannot_steer_the_model
 
 
 def test_a_node_without_a_known_bound_weighs_at_most_the_median_claim():
-    grid_nodes = LocalGrid(_client({}), 4, {}).contexts
-    known = {n: c.node_config["partition-id"] + 1 for n, c in grid_nodes.items()}
-    loose = next(n for n, c in grid_nodes.items() if c.node_config["partition-id"] == 3)
+    grid_nodes = LocalGrid(_client({}), 4, {}).nodes
+    known = {n: p + 1 for n, p in grid_nodes.items()}
+    loose = grid_nodes.by_partition[3]
     del known[loose]
     grid = LocalGrid(_client({3: "inflate"}), 4, {})
     strategy = ServerStrategy(FedAvgParams(), seed=0, clients_per_round=4)
