@@ -1,0 +1,34 @@
+"""experiments/gpu_check.py runs anywhere, skips what needs CUDA, and judges drift."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "experiments" / "gpu_check.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_passes_and_says_what_it_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    assert _script().main(["--json", str(out), "--size-mb", "1"]) == 0
+    result = json.loads(out.read_text())
+    assert result["failures"] == []
+    if not torch.cuda.is_available():
+        assert result["cluster"]["skipped"].startswith("no CUDA device")
+        assert result["bulk"] == {"cuda": False}
+
+
+def test_a_drifting_gradient_fails_the_check() -> None:
+    failures = _script()._cluster_failures(
+        {"nccl": {"grad_max_abs_diff": 3e-6, "weights_max_abs_diff": 0.0}}
+    )
+    assert failures == ["nccl: max |diff| 3.00e-06 > 1e-06"]
