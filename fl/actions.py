@@ -13,6 +13,10 @@ new plumbing:
 | `sparsity` | share of the update sent (top-k) | `topk` codec |
 | `lr` | learning-rate scale | the `lr` hook |
 
+FedSU's speculation (`fl.speculation.Speculation`: per-scalar anchors, slopes and starts
+through `fl.sync`) is an action of the same kind; only FedSU and FedCA+ use it, so it
+stays with its mechanics.
+
 Uploads under grafting carry the client's update (model minus the model it was sent),
 so quantisation and top-k act on updates, as AdaQuantFL and top-k sparsification do.
 """

@@ -318,7 +318,8 @@ class SteppingRate:
 @dataclass
 class OscillationRatio:
     """FedSU's second-order oscillation ratio |EMA(g')| / EMA(|g'|) of the global round
-    updates g (`fl.speculation.LinearityTest`): near 0 where a scalar moves linearly."""
+    updates g (`fl.speculation.LinearityTest`): near 0 where a scalar moves linearly.
+    FedSU's diagnosis (`strategies/fedsu.py`), which uses the test directly."""
 
     test: LinearityTest
 

@@ -3,7 +3,8 @@
 Small, named and pure, so that a scheme reads as diagnosis + action + law and any
 diagnosis can drive any action (`strategies/graft.py`):
 
-- `below`: the threshold test (APF: a scalar is stable when its stepping rate < T_s).
+- `below`: the threshold test (APF: a scalar is stable when its stepping rate < T_s;
+  FedSU: it is linear, and speculated, when its oscillation ratio R < T_R).
 - `aimd`: additive increase, multiplicative decrease of a per-element length (APF's
   freezing periods: +1 when stable, halved when not).
 - `divide`: multiplicative decrease with rounding and a floor (GIFT's τ ← ceil(τ / ρ),

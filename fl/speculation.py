@@ -12,7 +12,8 @@ sparsification (§6.8) share these mechanics:
   at any clock tick, so a client that skipped rounds computes the same bits.
 - `checks_due` / `error_ratio`: when the no-check period of a speculated scalar ends
   (after 1, 2, 3, ... ticks: FedSU's additive growth) and the test S = |ē| / |s| that
-  sends it back to regular synchronisation.
+  sends it back to regular synchronisation; `error_feedback` is the control law that
+  combines them.
 - `ErrorFeedback`: a client's accumulated mis-prediction per speculated scalar, kept in
   its `Context.state`; it reports the mean error per round it took part in.
 
@@ -39,6 +40,7 @@ __all__ = [
     "Speculation",
     "checks_due",
     "digest",
+    "error_feedback",
     "error_ratio",
     "phase_error",
 ]
@@ -187,6 +189,19 @@ def error_ratio(error: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
     size = slope.abs()
     ratio = error.abs() / size.clamp_min(torch.finfo(size.dtype).tiny)
     return torch.where(size > 0, ratio, torch.where(error == 0, 0.0, torch.inf))
+
+
+def error_feedback(
+    spec: Speculation, tick: int, error: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FedSU's control law for leaving speculation, at the aggregation at `tick`.
+
+    Returns the scalars checked now (`checks_due`) and, of those, the ones sent back to
+    regular sync because their phase error ē reached `threshold` slopes (S >= T_S); the
+    others pass, and their next no-check period is one tick longer.
+    """
+    due = checks_due(spec, tick)
+    return due, due & (error_ratio(error, spec.slope) >= threshold)
 
 
 class ErrorFeedback:

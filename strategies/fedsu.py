@@ -12,6 +12,13 @@ Variants: `fedsu_v1` has no error feedback (a fixed speculation period, no check
 `fedsu_v2` speculates at random (probability p per regular scalar and round) instead of
 by linearity, with error feedback.
 
+As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
+second-order oscillation ratio R (`fl.speculation.LinearityTest`, the state of
+grafting's `OscillationRatio`), action = speculation `fl.speculation.Speculation` (a
+scalar leaves synchronisation and moves by its slope on every party), law = `below` T_R
+to enter and `error_feedback` (checks after 1, 2, 3, ... rounds, S >= T_S) to leave. v1
+leaves after a fixed period instead; v2 enters at random.
+
 Wire protocol (ours; in the paper each client derives masks and slopes itself from the
 synchronised model): the speculation state travels through the shared sync protocol
 (`fl.sync`): the anchor vector as payload (regular scalars' values; a speculated one's
@@ -43,6 +50,7 @@ from torch import nn
 
 from fl.codec import decode, encode_masked
 from fl.hooks import ClientHooks, Reply
+from fl.laws import below
 from fl.records import Layout
 from fl.registry import register
 from fl.seeding import derive_seed
@@ -52,7 +60,7 @@ from fl.speculation import (
     Speculation,
     checks_due,
     digest,
-    error_ratio,
+    error_feedback,
     phase_error,
 )
 from fl.state import checkpointable
@@ -96,8 +104,8 @@ class FedSUParams:
 @checkpointable
 @dataclass
 class FedSUState:
-    """The server's controller: the shared speculation state, the linearity metric, and
-    the clock (aggregations so far)."""
+    """The server's controller: the action's state (the shared speculation state), the
+    diagnosis (the linearity metric) and the clock (aggregations so far)."""
 
     speculation: Speculation
     linearity: LinearityTest
@@ -138,14 +146,15 @@ def control_step(
     """One aggregation's worth of control, given the averaged regular scalars in `vector`
     and the phase errors ē of the checked scalars (`error`, 0 elsewhere).
 
+    In order: the law's exits (error feedback on the phase just checked), the action's
+    stop, the diagnosis of this round's update, the law's entries, the action's start.
     Returns the next global model and counts (entered, left, checked).
     """
     spec, tick = state.speculation, state.clock
     regular = ~spec.speculating
     previous = spec.values(tick)
     if params.checked:
-        due = checks_due(spec, tick)
-        leave = due & (error_ratio(error, spec.slope) >= params.error_threshold)
+        due, leave = error_feedback(spec, tick, error, params.error_threshold)
     else:
         due = torch.zeros_like(regular)
         leave = spec.speculating & (tick + 1 - spec.since >= params.fixed_period)
@@ -160,7 +169,7 @@ def control_step(
         draw = torch.rand(regular.numel(), generator=generator)
         enter = regular & (draw < params.random_probability)
     else:
-        enter = regular & (rate < params.linearity_threshold)
+        enter = regular & below(rate, params.linearity_threshold)
     spec.track(nxt)
     spec.start(enter, nxt, update, tick + 1)
     state.clock = tick + 1

@@ -1,5 +1,5 @@
 """Metric grafting: diagnoses on hand-made updates, laws, actions, MDMA precedence, and the
-re-expressed APF / PAS / GIFT bit-identical to the code before the refactor."""
+re-expressed APF / PAS / GIFT / FedSU bit-identical to the code before the refactor."""
 
 from __future__ import annotations
 
@@ -300,3 +300,113 @@ def test_reexpressed_strategy_is_bit_identical_to_the_original(tmp_path, name):
     keys = ("accuracy", "loss", "cum_bytes_up", "cum_bytes_down", "virtual_time_s")
     assert tuple(last[k] for k in keys) == final
     assert [r[series_key] for r in rows] == series
+
+
+# ----- FedSU re-expressed: the same, recorded before its refactor (2026-12-03) ----------
+FEDSU = ["system=heterogeneous", "strategy.linearity_threshold=0.3"]
+FEDSU_GOLDEN = {
+    "fedsu": (
+        ["strategy=fedsu", *FEDSU],
+        (0.8361111111111111, 0.7004817114935981, 546176, 609693, 13.920642112666952),
+        [
+            0.0,
+            0.1257796287536621,
+            0.2941787838935852,
+            0.44823285937309265,
+            0.4671517610549927,
+            0.5108107924461365,
+            0.466528058052063,
+            0.49126818776130676,
+        ],
+        [605, 826, 1060, 342, 696, 550, 496],  # entered, rounds 2-8
+        [16, 319, 251, 486, 763, 377],  # left, rounds 3-8
+    ),
+    "fedsu_v1": (
+        ["strategy=fedsu", "strategy.variant=fedsu_v1", "strategy.fixed_period=3", *FEDSU],
+        (0.8194444444444444, 0.7226788838704427, 437872, 590928, 13.909494317854312),
+        [
+            0.0,
+            0.1257796287536621,
+            0.2975051999092102,
+            0.5172557234764099,
+            0.4623700678348541,
+            0.5280665159225464,
+            0.37941786646842957,
+            0.41247400641441345,
+        ],
+        [605, 826, 1057, 341, 1142, 342, 500],
+        [0, 0, 605, 826, 1057, 341],
+    ),
+    "fedsu_v2": (
+        [
+            "strategy=fedsu",
+            "strategy.variant=fedsu_v2",
+            "strategy.random_probability=0.05",
+            "system=heterogeneous",
+        ],
+        (0.85, 0.7047643025716146, 594224, 596354, 13.923433015563125),
+        [
+            0.04636174812912941,
+            0.07442827522754669,
+            0.1012474000453949,
+            0.11891891807317734,
+            0.13617463409900665,
+            0.14365904033184052,
+            0.15613305568695068,
+            0.16174636781215668,
+        ],
+        [231, 199, 228, 227, 200, 230, 215],
+        [70, 143, 144, 164, 170, 188],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fedsu",  # exercises linearity, speculation and error-feedback exits
+        pytest.param("fedsu_v1", marks=pytest.mark.slow),
+        pytest.param("fedsu_v2", marks=pytest.mark.slow),
+    ],
+)
+def test_reexpressed_fedsu_is_bit_identical_to_the_original(tmp_path, name):
+    overrides, final, speculated, entered, left = FEDSU_GOLDEN[name]
+    rows, _ = train_in_process(tmp_path, *COMMON, *overrides)
+    last = rows[-1]
+    keys = ("accuracy", "loss", "cum_bytes_up", "cum_bytes_down", "virtual_time_s")
+    assert tuple(last[k] for k in keys) == final
+    assert [r["speculated_fraction"] for r in rows] == speculated
+    assert [r["speculation_entered"] for r in rows[1:]] == entered
+    assert [r["speculation_left"] for r in rows[2:]] == left
+
+
+@pytest.mark.slow
+def test_reexpressed_fedca_plus_is_bit_identical_to_the_original(tmp_path):
+    rows, _ = train_in_process(
+        tmp_path,
+        "strategy=fedca_plus",
+        "strategy.profile_every=3",
+        "system=time_varying",
+        "loop.first_k_fraction=0.9",
+        "num_clients=10",
+        "clients_per_round=10",
+        "local_steps=50",
+        "batch_size=16",
+        "lr=0.05",
+        "rounds=4",
+    )
+    last = rows[-1]
+    keys = ("accuracy", "loss", "cum_bytes_up", "cum_bytes_down", "virtual_time_s")
+    assert tuple(last[k] for k in keys) == (
+        0.8666666666666667,
+        1.2755732218424478,
+        672660,
+        718073,
+        0.398545325536061,
+    )
+    assert [r["speculated_fraction"] for r in rows] == [
+        0.0,
+        0.11787942051887512,
+        0.11829521507024765,
+        0.12058211863040924,
+    ]
