@@ -184,6 +184,7 @@ RUN = (
 )
 
 
+@pytest.mark.slow  # an end-to-end run with resume (~20 s); the mechanics have fast tests
 def test_asfl_run_logs_reward_action_critic_loss_and_resumes_identically(tmp_path):
     run_fl(tmp_path / "full", *RUN, "rounds=8", fresh=True)
     rows = read_metrics(tmp_path / "full")

@@ -267,6 +267,7 @@ def _run(tmp, name, *extra, rounds=5, **kw):
     return read_metrics(tmp / name)
 
 
+@pytest.mark.slow  # an end-to-end run with resume (~20 s); the mechanics have fast tests
 def test_fedca_closes_at_the_earliest_90_percent_beats_fedavg_time_and_resumes(tmp_path):
     fedca = _run(tmp_path, "fedca", "strategy=fedca", "strategy.profile_every=3", fresh=True)
     fedavg = _run(tmp_path, "fedavg", "strategy=fedavg")

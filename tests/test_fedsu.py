@@ -207,6 +207,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow  # an end-to-end run with resume (~20 s); the mechanics have fast tests
 def test_fedsu_run_speculates_consistently_saves_bytes_and_resumes(tmp_path):
     run_fl(tmp_path / "full", *RUN, "rounds=8", fresh=True)
     rows = read_metrics(tmp_path / "full")

@@ -145,6 +145,7 @@ TINY = [
 RUN = ["strategy=lrd2d", "strategy.round_window=1", *TINY]
 
 
+@pytest.mark.slow  # an end-to-end run with resume (~20 s); the mechanics have fast tests
 def test_lrd2d_run_logs_the_schedule_it_applied_and_resumes_to_identical_metrics(tmp_path):
     run_fl(tmp_path / "full", *RUN, "rounds=6", fresh=True)
     rows = read_metrics(tmp_path / "full")

@@ -171,6 +171,7 @@ RESUMED = [
 ]
 
 
+@pytest.mark.slow  # an end-to-end run with resume (~20 s); the mechanics have fast tests
 def test_r2sp_tunes_batches_and_resumes_to_identical_metrics(tmp_path: Path) -> None:
     args = RESUMED  # checkpoints only at each run's last round
     run_fl(tmp_path / "whole", *args, "rounds=10", fresh=True)
