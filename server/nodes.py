@@ -34,9 +34,9 @@ from typing import cast
 from flwr.app import Message, MessageType, RecordDict
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fl.grids import DelegatingGrid
 from fl.population import PartitionMap
 from fl.tls import fingerprint, is_allowlist
 
@@ -89,7 +89,7 @@ def _key(node: NodeInfo) -> str | None:
     return fingerprint(node.public_key) if node.public_key else None
 
 
-class AllowedGrid(Grid):
+class AllowedGrid(DelegatingGrid):
     """`grid` as seen by a ServerApp that trains only the nodes on an allow-list.
 
     Nodes off the list are left out of `get_node_ids`/`get_nodes` (each refusal logged
@@ -99,7 +99,7 @@ class AllowedGrid(Grid):
     """
 
     def __init__(self, grid: Grid, allowed: frozenset[int | str]) -> None:
-        self.inner = grid
+        super().__init__(grid)
         self.allowed = allowed
         self.refused: set[int] = set()
         self._admitted: set[int] = set()
@@ -135,30 +135,10 @@ class AllowedGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         return self.inner.push_messages(self._check(messages))
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.inner.pull_messages(message_ids)
-
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         return self.inner.send_and_receive(self._check(messages), timeout=timeout)
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(  # deprecated in flwr, abstract all the same
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
 
 
 def _simulation_too_small(connected: int, expected: int) -> FederationError:

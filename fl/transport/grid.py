@@ -25,8 +25,8 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
+from fl.grids import DelegatingGrid
 from fl.transport.offer import OFFER, Offer
 from fl.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
 from fl.transport.service import BulkService
@@ -80,11 +80,11 @@ class _Sent:
     retried: bool = False
 
 
-class BulkGrid(Grid):
+class BulkGrid(DelegatingGrid):
     """`grid` with large arrays moved over the bulk service (see the module docstring)."""
 
     def __init__(self, grid: Grid, settings: TransportSettings) -> None:
-        self.inner = grid
+        super().__init__(grid)
         self.settings = settings
         self.store = BlobStore(settings.max_upload_bytes, settings.ttl_s)
         self.service = BulkService(
@@ -224,30 +224,7 @@ class BulkGrid(Grid):
         """Stop the bulk service."""
         self.service.stop()
 
-    # ----- the rest of Grid, delegated ----------------------------------------------------
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
-    def get_nodes(self) -> Any:
-        return self.inner.get_nodes()
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
+    # ----- the engine's own extras, delegated ---------------------------------------------
     def __getattr__(self, name: str) -> Any:  # the engine's own extras (state_dict, ...)
         if name == "inner":  # not set yet: no recursion
             raise AttributeError(name)
