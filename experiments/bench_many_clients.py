@@ -104,6 +104,27 @@ def train_one_client(
             optimizer.step()
 
 
+def plain_fedavg_round(
+    model: Any, global_state: dict[str, Any], clients: Any, lr: float, server_round: int
+) -> dict[str, Any]:
+    """One plain-PyTorch FedAvg round over `clients` ((partition, x, y) in order): each
+    trains from `global_state`; returns their example-weighted mean as a new state_dict."""
+    import torch
+
+    states, weights = [], []
+    for partition, x, y in clients:
+        model.load_state_dict(global_state)
+        train_one_client(model, x, y, lr, server_round, partition)
+        states.append(torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()]))
+        weights.append(len(y))
+    w = torch.tensor(weights, dtype=torch.float64)
+    mean = ((w / w.sum()) @ torch.stack(states).double()).float()
+    flat = torch.split(mean, [v.numel() for v in global_state.values()])
+    return {
+        k: p.reshape(v.shape).clone() for (k, v), p in zip(global_state.items(), flat, strict=True)
+    }
+
+
 def test_accuracy(model: Any, data: Any) -> float:
     """Accuracy of `model` on the synthetic test split."""
     import torch
@@ -127,21 +148,11 @@ def plain_worker(clients: int, rounds: int, result: Path) -> None:
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     started = time.perf_counter()
     for server_round in range(1, rounds + 1):
-        states, weights = [], []
-        for partition, index in enumerate(parts):
-            model.load_state_dict(global_state)
-            idx = torch.from_numpy(index)
-            x, y = data.x_train[idx], data.y_train[idx]
-            train_one_client(model, x, y, lr, server_round, partition)
-            states.append(torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()]))
-            weights.append(len(y))
-        w = torch.tensor(weights, dtype=torch.float64)
-        mean = ((w / w.sum()) @ torch.stack(states).double()).float()
-        parts_flat = torch.split(mean, [v.numel() for v in global_state.values()])
-        global_state = {
-            k: p.reshape(v.shape).clone()
-            for (k, v), p in zip(global_state.items(), parts_flat, strict=True)
-        }
+        clients = (
+            (partition, data.x_train[torch.from_numpy(i)], data.y_train[torch.from_numpy(i)])
+            for partition, i in enumerate(parts)
+        )
+        global_state = plain_fedavg_round(model, global_state, clients, lr, server_round)
     train_s = time.perf_counter() - started
     model.load_state_dict(global_state)
     accuracy = test_accuracy(model, data)

@@ -45,9 +45,9 @@ from experiments.bench_many_clients import (
     config_lr,
     git_state,
     initial_model,
+    plain_fedavg_round,
     reap_descendants,
     test_accuracy,
-    train_one_client,
 )
 
 SELECT_TAG = 0x5E1  # fl.strategy.ServerStrategy.select's stream
@@ -90,20 +90,9 @@ def plain_worker(clients: int, per_round: int, rounds: int, result: Path) -> Non
     rounds_s, rounds_cpu_s, started = [], [], time.time()
     for server_round in range(1, rounds + 1):
         begun, begun_cpu = time.perf_counter(), time.process_time()
-        states, weights = [], []
-        for partition in sampled(clients, per_round, server_round):
-            model.load_state_dict(global_state)
-            x, y = population.train(partition)
-            train_one_client(model, x, y, lr, server_round, partition)
-            states.append(torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()]))
-            weights.append(len(y))
-        w = torch.tensor(weights, dtype=torch.float64)
-        mean = ((w / w.sum()) @ torch.stack(states).double()).float()
-        flat = torch.split(mean, [v.numel() for v in global_state.values()])
-        global_state = {
-            k: p.reshape(v.shape).clone()
-            for (k, v), p in zip(global_state.items(), flat, strict=True)
-        }
+        chosen = sampled(clients, per_round, server_round)
+        picked = ((p, *population.train(p)) for p in chosen)
+        global_state = plain_fedavg_round(model, global_state, picked, lr, server_round)
         model.load_state_dict(global_state)
         accuracy = test_accuracy(model, test)
         rounds_s.append(time.perf_counter() - begun)
