@@ -10,6 +10,7 @@ an error reply naming both (`fl.contract`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -19,19 +20,19 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
 
-from clients.trainer import TrainSettings, train_locally
+from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.codec import decode, payload_traffic
 from fl.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
 from fl.contract import mismatch_reply
 from fl.faults import fault_mod
-from fl.hooks import ClientTime
+from fl.hooks import ClientHooks, ClientTime
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
 from fl.transport import bulk_mod
 from privacy.dpsgd import DPSGD
 
-__all__ = ["app"]
+__all__ = ["Round", "Trainer", "app", "train_in_process", "train_message"]
 
 # bulk_mod: arrays beside Flower's messages when the server offers it (fl.transport);
 # outermost, so that faults act on the arrays as the ClientApp made them.
@@ -128,9 +129,27 @@ def info(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"info": record}), reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """One round of local training; the strategy's hooks shape it and encode the reply."""
+@dataclass(frozen=True)
+class Round:
+    """One train instruction, prepared: the model loaded and the hooks begun, the settings
+    for this node and round, its data. What a trainer (local, or a cluster's ranks) runs."""
+
+    setup: _Setup
+    config: ConfigRecord
+    model: torch.nn.Module
+    hooks: ClientHooks
+    settings: TrainSettings
+    partition: int
+    data: tuple[torch.Tensor, torch.Tensor]
+
+
+# A trainer runs a prepared round in place; its second value gives the reply's own metrics
+# (called after the hooks have encoded the reply).
+Trainer = Callable[[Round, Context], tuple[LocalResult, Callable[[], dict[str, Any]]]]
+
+
+def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
+    """One round of training by `trainer`; the strategy's hooks shape it and encode the reply."""
     setup = _setup_of(context)
     config = msg.content.config_records["config"]
     refusal = mismatch_reply(msg, config, setup.spec.name)
@@ -148,22 +167,38 @@ def train(msg: Message, context: Context) -> Message:
     }
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
-    x, y = setup.task.client_data(partition)
-    private = setup.dp.session(len(y), config, settings.seed) if setup.dp else None
-    result = train_locally(model, x, y, hooks, settings, private)
+    data = setup.task.client_data(partition)
+    prepared = Round(setup, config, model, hooks, settings, partition, data)
+    result, own_metrics = trainer(prepared, context)
     records, extra = hooks.end(model, context.state, layout)
     metrics = MetricRecord(
         {
-            "num-examples": len(y),
+            "num-examples": len(data[1]),
             "train-loss": result.mean_loss,
             "steps": result.steps,
             "samples": result.samples,
             "partition-id": partition,
             **extra,
-            **(private.account(context.state, result.steps) if private else {}),
+            **own_metrics(),
         }
     )
     return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+
+
+def train_in_process(
+    prepared: Round, context: Context
+) -> tuple[LocalResult, Callable[[], dict[str, Any]]]:
+    """Local SGD in this process, with DP-SGD when the run asks for it."""
+    dp, (x, y) = prepared.setup.dp, prepared.data
+    private = dp.session(len(y), prepared.config, prepared.settings.seed) if dp else None
+    result = train_locally(prepared.model, x, y, prepared.hooks, prepared.settings, private)
+    return result, lambda: private.account(context.state, result.steps) if private else {}
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training; the strategy's hooks shape it and encode the reply."""
+    return train_message(msg, context, train_in_process)
 
 
 @app.evaluate()

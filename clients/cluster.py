@@ -34,24 +34,22 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import Sampler
 
 from clients import app as local
 from clients.trainer import LocalResult, TrainSettings
-from fl.codec import payload_traffic
 from fl.config import from_run_config
-from fl.contract import mismatch_reply
 from fl.faults import fault_mod
-from fl.hooks import ClientHooks, ClientTime
+from fl.hooks import ClientHooks
 from fl.lbbsp import PREDICTORS, LeaderStraggler, Predictor, make_predictor, proportional_sizes
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import get_task
@@ -483,44 +481,26 @@ def train(msg: Message, context: Context) -> Message:
     config = ClusterConfig.from_node_config(context.node_config)
     if config is None:
         return local.train(msg, context)
-    setup = local._setup_of(context)
-    msg_config = msg.content.config_records["config"]
-    refusal = mismatch_reply(msg, msg_config, setup.spec.name)
-    if refusal is not None:
-        return refusal
-    if setup.dp is not None:
-        raise ValueError("privacy=dpsgd does not run on a cluster client (per-rank clipping)")
-    partition = local._partition(context, setup.num_clients)
-    hooks = setup.spec.client(setup.params)
-    model, layout = setup.task.model(), setup.task.layout
-    hooks.time = ClientTime.from_config(msg_config, payload_traffic(msg.content).total)
-    hooks.load(model, msg.content, context.state, layout)
-    hooks.begin(model, msg_config, context.state)
-    server_round = cast(int, msg_config["server-round"])
-    per_round: dict[str, Any] = {
-        f: msg_config[k] for k, f in local.PER_ROUND_KEYS.items() if k in msg_config
-    }
-    seed = derive_seed(setup.seed, server_round, partition)
-    settings = replace(setup.settings, seed=seed, **per_round)
-    instruction = Instruction(
-        dict(context.run_config), partition, asdict(settings), config.slowdown, config.device
-    )
-    data = setup.task.client_data(partition)
-    result, shares = run_cluster_round(config, model, data, instruction, hooks)
-    records, extra = hooks.end(model, context.state, layout)
-    metrics = MetricRecord(
-        {
-            "num-examples": len(data[1]),
-            "train-loss": result.mean_loss,
-            "steps": result.steps,
-            "samples": result.samples,
-            "partition-id": partition,
-            "cluster-ranks": config.ranks,
-            **{f"cluster-share-{r}": s for r, s in enumerate(shares)},
-            **extra,
-        }
-    )
-    return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+
+    def on_ranks(
+        prepared: local.Round, context: Context
+    ) -> tuple[LocalResult, Callable[[], dict[str, Any]]]:
+        if prepared.setup.dp is not None:
+            raise ValueError("privacy=dpsgd does not run on a cluster client (per-rank clipping)")
+        instruction = Instruction(
+            dict(context.run_config),
+            prepared.partition,
+            asdict(prepared.settings),
+            config.slowdown,
+            config.device,
+        )
+        result, shares = run_cluster_round(
+            config, prepared.model, prepared.data, instruction, prepared.hooks
+        )
+        shares_metrics = {f"cluster-share-{r}": s for r, s in enumerate(shares)}
+        return result, lambda: {"cluster-ranks": config.ranks, **shares_metrics}
+
+    return local.train_message(msg, context, on_ranks)
 
 
 # ----- checks and command line -----------------------------------------------------------
