@@ -30,7 +30,7 @@ from fl.engines.local import LocalGrid
 from fl.records import numpy_to_array
 from fl.robust import Aggregator, weighted_mean
 from fl.strategy import ClientUpdate, ServerStrategy
-from fl.streaming import BLOCK, streamed_weighted_mean
+from fl.streaming import BLOCK, COMPILED_MIN, _torch_mean, streamed_weighted_mean
 from fl.transport import (
     BulkGrid,
     TransportSettings,
@@ -424,6 +424,22 @@ def test_the_streamed_mean_equals_the_stacked_reference(clients, size):
     ulp = torch.nextafter(stacked.abs(), torch.tensor(float("inf"))) - stacked.abs()
     assert bool(((streamed - stacked).abs() <= ulp).all())
     assert torch.equal(streamed, stacked)
+
+
+def test_the_compiled_kernel_gives_the_torch_path_s_bits():
+    # Large vectors take the Numba kernel, small ones torch: the same sums to the last bit.
+    gen = torch.Generator().manual_seed(7)
+    size = COMPILED_MIN + BLOCK // 2 + 3
+    vectors = [torch.randn(size, generator=gen) * 10 for _ in range(4)]
+    weights = torch.randint(1, 1000, (4,), generator=gen).double()
+    compiled = streamed_weighted_mean(vectors, weights)
+    scale = (weights / weights.sum()).tolist()
+    assert torch.equal(compiled, _torch_mean(vectors, scale))
+    assert torch.equal(compiled, weighted_mean(torch.stack(vectors), weights))
+    # A strided (non-contiguous) slice takes the torch path, with the same result.
+    strided = [torch.randn(2 * size, generator=gen)[::2] for _ in range(2)]
+    halves = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    assert torch.equal(streamed_weighted_mean(strided, halves), _torch_mean(strided, [0.25, 0.75]))
 
 
 def test_the_strategy_streams_the_mean_and_stacks_for_robust_rules():
