@@ -26,6 +26,7 @@ from fl.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
 from fl.contract import mismatch_reply
 from fl.faults import fault_mod
 from fl.hooks import ClientHooks, ClientTime
+from fl.records import required_record
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
@@ -151,7 +152,7 @@ Trainer = Callable[[Round, Context], tuple[LocalResult, Callable[[], dict[str, A
 def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     """One round of training by `trainer`; the strategy's hooks shape it and encode the reply."""
     setup = _setup_of(context)
-    config = msg.content.config_records["config"]
+    config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
     if refusal is not None:
         return refusal

@@ -25,13 +25,13 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from fl.codec import payload_traffic
 from fl.contract import mismatch_reply
 from fl.hooks import ClientTime
-from fl.records import Layout
+from fl.records import Layout, required_record
 from fl.registry import get_strategy
 
 __all__ = ["train_with_hooks"]
@@ -58,7 +58,7 @@ def train_with_hooks(
     the optimizer's learning rate for this round.
     """
     spec = get_strategy(strategy)
-    config = msg.content.config_records["config"]
+    config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, spec.name)
     if refusal is not None:
         return refusal

@@ -24,18 +24,18 @@ and the mod says so once per process in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fl.codec import CODEC, CodecError, decode, encode_dense
-from fl.config import from_run_config
-from fl.records import Layout
+from fl.config import from_run_config, run_config_key
+from fl.records import Layout, record_of, required_record
 from fl.seeding import derive_seed
 
 __all__ = ["ATTACKS", "attack_kinds", "attack_mod", "attackers", "rewrite_reply"]
@@ -96,10 +96,10 @@ def rewrite_reply(
     """
     kinds = sorted(set(kinds), key=lambda k: (k not in UPDATE_ATTACKS, ATTACKS.index(k)))
     applied = []
-    metrics = reply.metric_records.get("metrics")
+    metrics = record_of(reply, "metrics", MetricRecord)
     for kind in kinds:
         if kind in UPDATE_ATTACKS:
-            codec = reply.config_records.get(CODEC)
+            codec = record_of(reply, CODEC, ConfigRecord)
             if base is None or (codec is not None and codec.get("name") != "dense"):
                 _warn_once(
                     f"attack {kind!r} needs a dense train message and reply; this strategy "
@@ -115,8 +115,8 @@ def rewrite_reply(
                 metrics["samples"] = 0
                 if "epsilon" in metrics:
                     metrics["epsilon"] = 0.0
-            if CODEC in reply.config_records:
-                codec = reply.config_records[CODEC]
+            codec = record_of(reply, CODEC, ConfigRecord)
+            if codec is not None:
                 reply[CODEC] = ConfigRecord({**codec, "payload-bytes": 0, "control-bytes": 0})
         else:
             continue
@@ -124,13 +124,26 @@ def rewrite_reply(
     return applied
 
 
+_KINDS: dict[str, tuple[str, ...]] = {}  # run config -> its attack kinds
+
+
+def _run_attack_kinds(run_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The run's attack kinds, read from its config once per process (reading an OmegaConf
+    node on every message costs more than the rest of this mod)."""
+    key = run_config_key(run_config)
+    if key not in _KINDS:
+        faults = from_run_config(run_config).get("faults") or {}
+        _KINDS[key] = attack_kinds(faults.get("attack"))
+    return _KINDS[key]
+
+
 def attack_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: the run's attackers rewrite their train replies (none by default)."""
-    cfg = from_run_config(context.run_config)
-    faults = cfg.get("faults") or {}
-    kinds = attack_kinds(faults.get("attack"))
+    kinds = _run_attack_kinds(context.run_config)
     if not kinds or msg.metadata.message_type != "train":
         return call_next(msg, context)
+    cfg = from_run_config(context.run_config)
+    faults = cfg.faults
     partition = int(context.node_config["partition-id"])
     rate = float(faults.get("attack_rate", 0.0))
     if partition not in attackers(int(cfg.seed), int(cfg.num_clients), rate):
@@ -147,7 +160,19 @@ def attack_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
-    server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+    config = required_record(msg.content, "config", ConfigRecord)
+    server_round = int(config["server-round"])  # type: ignore[arg-type]
+    rewrite_reply(
+        reply.content,
+        kinds,
+        base=base,
+        layout=layout,
+        scale=float(faults.get("attack_scale", 1.0)),
+        examples=int(faults.get("attack_examples", 10**12)),
+        seed=derive_seed(int(cfg.seed), server_round, partition, 0xA77),
+    )
+    return reply
+    server_round = int(required_record(msg.content, "config", ConfigRecord)["server-round"])  # type: ignore[arg-type]
     rewrite_reply(
         reply.content,
         kinds,

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
 from fl.attacks import attack_mod
 from fl.config import from_run_config, run_config_key
+from fl.records import required_record
 from fl.seeding import derive_seed
 
 __all__ = ["InjectedCrash", "NoReply", "draw_fault", "fault_mod"]
@@ -74,7 +75,7 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         return attack_mod(msg, context, call_next)
     cfg = from_run_config(context.run_config)
     faults = cfg.faults
-    server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+    server_round = int(required_record(msg.content, "config", ConfigRecord)["server-round"])  # type: ignore[arg-type]
     partition = int(context.node_config["partition-id"])
     kind = draw_fault(cfg.seed, server_round, partition, dict(faults))
     if kind == "crash":

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import Error, Message, MessageType, Metadata, RecordDict
+from flwr.app import Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fl.clock import Job, VirtualClock
 from fl.codec import Traffic, payload_traffic
 from fl.errors import RunError
+from fl.records import record_of
 from fl.roundrobin import RoundRobin
 from fl.strategy import ReplyInfo, UploadParts
 
@@ -530,7 +531,7 @@ class RoundDriver:
 
 def _reported_samples(reply: Message, asked: int) -> int:
     """Samples the clock charges: what the reply reports, never more than was asked."""
-    metrics = reply.content.metric_records.get("metrics")
+    metrics = record_of(reply.content, "metrics", MetricRecord)
     reported = metrics.get("samples") if metrics is not None else None
     if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
         return min(reported, asked)

@@ -42,8 +42,11 @@ class PartitionMap(Mapping[int, int]):
     """node id -> partition for partitions `0 … n-1`, from the node of each partition.
 
     Three 8-byte arrays (24 bytes a node) instead of a dict of Python ints; a lookup is a
-    binary search.
+    binary search, and the last few thousand answers are kept, since a round looks up each
+    of its nodes several times.
     """
+
+    RECENT = 4096  # answers kept: more than a round's nodes
 
     def __init__(self, by_partition: np.ndarray) -> None:
         self.by_partition = NodeIds(by_partition)
@@ -51,10 +54,14 @@ class PartitionMap(Mapping[int, int]):
         self._nodes, self._partitions = self.by_partition.ids[order], order
         if len(self._nodes) > 1 and not bool(np.all(np.diff(self._nodes) > 0)):
             raise ValueError("a node id holds several partitions")
+        self._recent: dict[int, int] = {}
 
     def __getitem__(self, node: int) -> int:
         if not isinstance(node, int | np.integer) or isinstance(node, bool):
             raise KeyError(node)
+        found = self._recent.get(node)
+        if found is not None:
+            return found
         try:  # searched as uint64: a Python int would make NumPy convert the whole array
             key = np.uint64(node)
         except OverflowError:  # an id outside uint64 is no node of ours
@@ -62,7 +69,10 @@ class PartitionMap(Mapping[int, int]):
         i = int(np.searchsorted(self._nodes, key))
         if i == len(self._nodes) or self._nodes[i] != key:
             raise KeyError(node)
-        return int(self._partitions[i])
+        if len(self._recent) >= self.RECENT:
+            self._recent.clear()
+        self._recent[int(node)] = found = int(self._partitions[i])
+        return found
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._nodes.tolist())

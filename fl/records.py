@@ -16,10 +16,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "array_to_numpy",
     "arrays_to_vector",
     "numpy_to_array",
+    "record_of",
+    "required_record",
     "vector_to_arrays",
     "wire_dtype",
 ]
@@ -43,6 +46,26 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.bool: np.dtype(np.bool_),
 }
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: nothing that needs parsing
+AnyRecord = TypeVar("AnyRecord", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def record_of(content: RecordDict, key: str, kind: type[AnyRecord]) -> AnyRecord | None:
+    """The record named `key` when it is a `kind`, else None.
+
+    One dict lookup: Flower's `content.config_records` (and `array_records`,
+    `metric_records`) rebuilds a type-checked view of every record on each access, which
+    costs more than the rest of a small model's message path.
+    """
+    record = content.get(key)
+    return record if isinstance(record, kind) else None
+
+
+def required_record(content: RecordDict, key: str, kind: type[AnyRecord]) -> AnyRecord:
+    """The record named `key`; KeyError naming what is missing unless it is a `kind`."""
+    record = record_of(content, key, kind)
+    if record is None:
+        raise KeyError(f"message has no {kind.__name__} {key!r}")
+    return record
 
 
 @dataclass(frozen=True)
@@ -96,10 +119,14 @@ class Layout:
             for name, part in zip(self.names, torch.split(vector, list(self.sizes)), strict=True):
                 state[name].copy_(part.view(state[name].shape))
 
+    @cached_property
+    def _name_set(self) -> frozenset[str]:
+        return frozenset(self.names)
+
     def check(self, state: Mapping[str, torch.Tensor]) -> None:
         """Raise ValueError naming the first key, shape or dtype that does not match."""
         missing = [n for n in self.names if n not in state]
-        extra = [n for n in state if n not in self.names]
+        extra = [n for n in state if n not in self._name_set]
         if missing or extra:
             raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
         for name, shape in zip(self.names, self.shapes, strict=True):
@@ -131,8 +158,14 @@ def numpy_to_array(value: np.ndarray) -> Array:
     """Flower Array holding exactly what `np.save` would write, without its overhead."""
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
-    header = _npy_header(str(np.lib.format.dtype_to_descr(value.dtype)), tuple(value.shape))
-    return Array(str(value.dtype), tuple(value.shape), NUMPY, header + value.tobytes())
+    name, header = _written(value.dtype, value.shape)
+    return Array(name, value.shape, NUMPY, header + value.tobytes())
+
+
+@lru_cache(maxsize=1024)
+def _written(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, bytes]:
+    """The dtype name and .npy header `numpy_to_array` writes for an array."""
+    return str(dtype), _npy_header(str(np.lib.format.dtype_to_descr(dtype)), shape)
 
 
 def wire_dtype(dtype: torch.dtype) -> np.dtype:
@@ -140,16 +173,25 @@ def wire_dtype(dtype: torch.dtype) -> np.dtype:
     return _NUMPY_DTYPES.get(dtype, np.dtype(np.float32))
 
 
-def _declared(array: Array) -> tuple[np.dtype, tuple[int, ...]]:
-    """The plain numeric dtype and shape an Array says it holds; ValueError if absurd."""
+@lru_cache(maxsize=1024)
+def _declared(dtype_name: str, shape: tuple[int, ...]) -> tuple[np.dtype, bytes, int]:
+    """The plain numeric dtype an Array declares, the header we would write for it and the
+    bytes of its values; ValueError if absurd. Cached: arrays repeat a model's few shapes."""
     try:
-        dtype = np.dtype(array.dtype)
-        shape = tuple(int(d) for d in array.shape)
+        dtype = np.dtype(dtype_name)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"array declares dtype {dtype_name!r}, shape {shape!r}") from err
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or min(shape, default=0) < 0:
+        raise ValueError(f"array declares dtype {dtype_name!r}, shape {shape!r}")
+    header = _npy_header(str(np.lib.format.dtype_to_descr(dtype)), shape)
+    return dtype, header, math.prod(shape) * dtype.itemsize
+
+
+def _declared_shape(array: Array) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in array.shape)
     except (TypeError, ValueError) as err:
         raise ValueError(f"array declares dtype {array.dtype!r}, shape {array.shape!r}") from err
-    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or min(shape, default=0) < 0:
-        raise ValueError(f"array declares dtype {array.dtype!r}, shape {array.shape!r}")
-    return dtype, shape
 
 
 def _parse_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
@@ -177,9 +219,11 @@ def array_to_numpy(array: Array) -> np.ndarray:
     """
     if array.stype != NUMPY:
         raise ValueError(f"array is not a .npy payload (stype {array.stype!r})")
-    dtype, shape = _declared(array)
+    if not isinstance(array.dtype, str):
+        raise ValueError(f"array declares dtype {array.dtype!r}, shape {array.shape!r}")
+    shape = _declared_shape(array)
+    dtype, header, nbytes = _declared(array.dtype, shape)
     data = array.data
-    header = _npy_header(str(np.lib.format.dtype_to_descr(dtype)), shape)
     fortran = False
     if data.startswith(header):
         start = len(header)
@@ -189,19 +233,16 @@ def array_to_numpy(array: Array) -> np.ndarray:
             raise ValueError(
                 f"array bytes hold {found_dtype} {found}, the array declares {dtype} {shape}"
             )
-    count = math.prod(shape)
-    if len(data) - start != count * dtype.itemsize:
-        raise ValueError(
-            f"array holds {len(data) - start} bytes, {dtype} {shape} needs {count * dtype.itemsize}"
-        )
-    value = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    if len(data) - start != nbytes:
+        raise ValueError(f"array holds {len(data) - start} bytes, {dtype} {shape} needs {nbytes}")
+    value = np.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
     return value.reshape(shape, order="F" if fortran else "C")
 
 
 def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
     """Flat float32 vector of a dense ArrayRecord, checked against `layout`."""
     missing = [n for n in layout.names if n not in arrays]
-    extra = [n for n in arrays if n not in layout.names]
+    extra = [n for n in arrays if n not in layout._name_set]
     if missing or extra:
         raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
     parts = []

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
-from fl.records import Layout, vector_to_arrays, wire_dtype
+from fl.records import Layout, record_of, vector_to_arrays, wire_dtype
 from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.roundrobin import RoundRobin
 from fl.streaming import streamed_weighted_mean
@@ -282,11 +282,12 @@ class ServerStrategy(FedAvg):
         size, limit = content_bytes(content), self.payload_limit()
         if size > limit:
             raise ValueError(f"reply of {size} B exceeds max_payload_bytes {limit:.0f}")
-        if "codec" in content.config_records:  # (a plain Flower client sends none: dense)
+        if record_of(content, "codec", ConfigRecord) is not None:  # (Flower's clients: none)
             declared_traffic(content)  # its byte counts feed the round's traffic figures
-        if "metrics" not in content.metric_records:
+        record = record_of(content, "metrics", MetricRecord)
+        if record is None:
             raise ValueError("reply has no 'metrics' record")
-        metrics = dict(content.metric_records["metrics"])
+        metrics = dict(record)
         num_examples = metrics.get(self.weighted_by_key)
         if not isinstance(num_examples, int) or num_examples <= 0:
             raise ValueError(

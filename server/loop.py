@@ -22,13 +22,14 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from fl.clock import VirtualClock, clock_from_config
-from fl.codec import Traffic, payload_traffic
+from fl.codec import CODEC, Traffic, payload_traffic
 from fl.config import plain
 from fl.console import RoundReporter
 from fl.contract import check_reply_error, stamp
 from fl.errors import RunError
 from fl.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
 from fl.population import NodeIds, nodes_by_partition
+from fl.records import required_record
 from fl.registry import get_strategy
 from fl.robust import example_bounds, robust_options
 from fl.strategy import ClientUpdate, ServerStrategy
@@ -264,7 +265,7 @@ def _send(
     partitions: Mapping[int, int],
 ) -> tuple[Landed, list[Traffic]]:
     """Send one exchange's instructions and wait for its close: what landed, bytes sent."""
-    down = {m.metadata.dst_node_id: payload_traffic(m.content) for m in messages}
+    down = _sent_traffic(messages)
     if driver.real is not None:
         driver.push(server_round, strategy.global_vector, messages, down)
         missing: list[int] = []
@@ -282,6 +283,22 @@ def _send(
     landed = driver.close(server_round, started_s, len(messages), missing, close_at)
     strategy.expect(landed.info)
     return landed, list(down.values())
+
+
+def _sent_traffic(messages: list[Message]) -> dict[int, Traffic]:
+    """Bytes each instruction carries, measured from its arrays; arrays several
+    instructions share (the broadcast model) are measured once, not once per node."""
+    measured: dict[tuple[tuple[str, int], ...], Traffic] = {}
+    out = {}
+    for message in messages:
+        content = message.content
+        shared = tuple(
+            (k, id(v)) for k, v in content.items() if k == CODEC or isinstance(v, ArrayRecord)
+        )
+        if shared not in measured:
+            measured[shared] = payload_traffic(content)
+        out[message.metadata.dst_node_id] = measured[shared]
+    return out
 
 
 def _staleness(updates: list[ClientUpdate], settings: LoopSettings) -> dict[str, Any]:
@@ -368,7 +385,7 @@ def _asked_samples(
     `local-steps`) override the run's, as the ClientApp applies them; the examples are
     those of the partition the server knows the node holds.
     """
-    config = message.content.config_records["config"]
+    config = required_record(message.content, "config", ConfigRecord)
     return _samples(
         int(cast(int, config.get("local-steps", cfg.local_steps))),
         int(cast(int, config.get("batch-size", cfg.batch_size))),

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fl.records import Layout, array_record, array_to_numpy, numpy_to_array
+from fl.records import Layout, array_record, array_to_numpy, numpy_to_array, record_of
 
 ARRAYS, CODEC = "arrays", "codec"
 Payload = dict[str, ArrayRecord | ConfigRecord]
@@ -243,10 +243,10 @@ def decode(
     What the receiver holds completes it: `base` for scalars not sent (masked, sparse,
     top-k), `mask` unless the mask travelled, `groups` for grouped payloads.
     """
-    if ARRAYS not in content.array_records:
+    arrays = record_of(content, ARRAYS, ArrayRecord)
+    if arrays is None:
         raise CodecError("payload has no 'arrays' record")
-    arrays = content.array_records[ARRAYS]
-    record = content.config_records.get(CODEC)
+    record = record_of(content, CODEC, ConfigRecord)
     codec, stage = _chain(record.get("name") if record is not None else "dense")
     options = Options(layout=layout, base=base, mask=mask, groups=groups)
     if stage is not None:
@@ -312,7 +312,7 @@ def declared_traffic(content: RecordDict) -> Traffic:
     Plausible: non-negative integers whose sum does not exceed what the content holds.
     A check of a reply's consistency only: traffic is measured (`payload_traffic`).
     """
-    record = content.config_records.get(CODEC)
+    record = record_of(content, CODEC, ConfigRecord)
     if record is None:
         raise CodecError("payload has no 'codec' record")
     sizes = [record.get("payload-bytes"), record.get("control-bytes")]
@@ -339,7 +339,7 @@ def _held(array: Array) -> int:
 
 def _control_names(content: RecordDict) -> frozenset[str]:
     """Arrays of the `arrays` record its codec calls positional metadata; never raises."""
-    record = content.config_records.get(CODEC)
+    record = record_of(content, CODEC, ConfigRecord)
     try:
         codec, _ = _chain(record.get("name") if record is not None else "dense")
     except CodecError:
@@ -357,6 +357,7 @@ def payload_traffic(content: RecordDict) -> Traffic:
     """
     control = _control_names(content)
     total = Traffic(0)
-    for key, arrays in content.array_records.items():
-        total += _measured(arrays, control if key == ARRAYS else arrays.keys())
+    for key, arrays in content.items():
+        if isinstance(arrays, ArrayRecord):
+            total += _measured(arrays, control if key == ARRAYS else arrays.keys())
     return total

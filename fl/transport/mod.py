@@ -14,6 +14,7 @@ import logging
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
+from fl.records import record_of
 from fl.transport.grid import REPORT, RETRY
 from fl.transport.offer import OFFER, Offer
 from fl.transport.peer import fetch, upload
@@ -31,13 +32,15 @@ def _reason(err: Exception) -> str:
 
 def bulk_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Fetch an instruction's arrays from the side channel; send the reply's back on it."""
-    if not msg.has_content() or OFFER not in msg.content.config_records:
+    offer_record = record_of(msg.content, OFFER, ConfigRecord) if msg.has_content() else None
+    if offer_record is None:
         return call_next(msg, context)
     content = RecordDict({k: v for k, v in msg.content.items() if k != OFFER})
     try:
-        offer = Offer.parse(msg.content.config_records[OFFER])
-        if REFERENCE in content.config_records:
-            reference = Reference.parse(content.config_records[REFERENCE])
+        offer = Offer.parse(offer_record)
+        reference_record = record_of(content, REFERENCE, ConfigRecord)
+        if reference_record is not None:
+            reference = Reference.parse(reference_record)
             content = unpack(content, reference, fetch(offer, reference))
     except Exception as err:  # any failure of the side channel: ask for the inline copy
         log.warning("bulk fetch failed, asking for the arrays inline: %s", _reason(err))
