@@ -43,6 +43,7 @@ ENGINES = ("local", "flower-sim", "deployment")
 LOGGERS = ("jsonl", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY = ("none", "dpsgd", "central")
+TRANSPORTS = ("inline", "grpc", "rdma")  # conf/transport/NAME.yaml (fl/transport)
 MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
 FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
 OUTPUT_DIR_RULE = (
@@ -477,6 +478,49 @@ def _validate_privacy_with_strategy(cfg: DictConfig) -> None:
     )
 
 
+def _validate_transport(cfg: DictConfig) -> None:
+    """The side channel (conf/transport/*.yaml, fl/transport): its name, TLS mode, addresses
+    and limits, and for rdma that NIXL imports here, before any round."""
+    _one_of(cfg, "transport.name", TRANSPORTS)
+    if cfg.transport.name == "inline":
+        return
+    tls = cfg.transport.get("tls")
+    _require(
+        tls == "auto" or isinstance(tls, bool), "transport.tls", tls, "must be auto, true or false"
+    )
+    listen, advertise = cfg.transport.get("listen"), cfg.transport.get("advertise")
+    _require(_is_address(listen), "transport.listen", listen, "must be HOST:PORT (port 0-65535)")
+    _require(
+        advertise is None or _is_address(advertise),
+        "transport.advertise",
+        advertise,
+        "must be null or HOST:PORT",
+    )
+    _integer(cfg, "transport.min_bytes", 0)
+    _integer(cfg, "transport.chunk_bytes", 1)
+    _integer(cfg, "transport.max_upload_bytes", 1)
+    _number(cfg, "transport.timeout_s", 0, strict=True)
+    _number(cfg, "transport.ttl_s", 0, strict=True)
+    if cfg.transport.name == "rdma":
+        from fl.transport.nixl_link import nixl_available
+
+        missing = nixl_available()
+        _require(
+            missing is None,
+            "transport.name",
+            "rdma",
+            f"needs NIXL (pip install -e '.[rdma]'), which does not import here: {missing}",
+        )
+
+
+def _is_address(value: Any) -> bool:
+    """HOST:PORT with a non-empty host and a port in 0-65535 (IPv6 hosts in brackets)."""
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and int(port) <= 65535
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every option before the run starts; raise ConfigError naming the bad key.
 
@@ -512,6 +556,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_strategy(cfg)
     _validate_loop(cfg)
     _validate_privacy_with_strategy(cfg)
+    _validate_transport(cfg)
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -49,6 +49,13 @@ REFUSED_BY_VALIDATE = [
     (["output_dir=../x"], "output_dir='../x': fl-run sets it to the Hydra run directory"),
     (["experiment=dpbalance", "privacy.ledger.path=''"], "privacy.ledger.path='': this preset"),
     (["experiment=dpbalance", "privacy.ledger.path=null"], "privacy.ledger.path=None"),
+    (["transport=grpc", "transport.tls=sometimes"], "transport.tls='sometimes': must be auto"),
+    (["transport=grpc", "transport.listen=nohost"], "transport.listen='nohost': must be HOST:PORT"),
+    (["transport=grpc", "transport.advertise=h:70000"], "transport.advertise='h:70000'"),
+    (["transport=grpc", "transport.min_bytes=-1"], "transport.min_bytes=-1: must be an integer"),
+    (["transport=grpc", "transport.chunk_bytes=0"], "transport.chunk_bytes=0: must be an integer"),
+    (["transport=grpc", "transport.timeout_s=0"], "transport.timeout_s=0: must be a finite number"),
+    (["transport=grpc", "transport.name=ucx"], "transport.name='ucx': must be one of"),
 ]
 
 
@@ -69,6 +76,7 @@ def test_validate_refuses_by_name_in_one_line(overrides, message):
         ["experiment=dpbalance"],  # its ledger path is set
         ["output_dir=/srv/runs/a"],  # the ServerApp's view: fl-run's absolute run directory
         ["task.hidden=[128,64]"],
+        ["transport=grpc", "transport.listen=0.0.0.0:7000", "transport.advertise='[::1]:7000'"],
         ["partition=shards", "partition.classes_per_client=3"],
         *(
             [f"strategy={path.stem}", "local_steps=5"]
