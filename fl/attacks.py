@@ -172,14 +172,3 @@ def attack_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         seed=derive_seed(int(cfg.seed), server_round, partition, 0xA77),
     )
     return reply
-    server_round = int(required_record(msg.content, "config", ConfigRecord)["server-round"])  # type: ignore[arg-type]
-    rewrite_reply(
-        reply.content,
-        kinds,
-        base=base,
-        layout=layout,
-        scale=float(faults.get("attack_scale", 1.0)),
-        examples=int(faults.get("attack_examples", 10**12)),
-        seed=derive_seed(int(cfg.seed), server_round, partition, 0xA77),
-    )
-    return reply
