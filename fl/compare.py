@@ -158,8 +158,11 @@ def _seed_table(runs: Sequence[Run], varying: Sequence[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_runs(run_dirs: Sequence[Path], out_dir: Path, title: str = "") -> str:
-    """Write comparison.md and plots for `run_dirs` into `out_dir`; return the Markdown."""
+def compare_runs(
+    run_dirs: Sequence[Path], out_dir: Path, title: str = "", *, plots: bool = True
+) -> str:
+    """Write comparison.md and (with `plots`) plots for `run_dirs` into `out_dir`; return the
+    Markdown."""
     # Here, not at the top: every fl-run loads this module (the callback), few plot.
     from fl.plots import plot_diagnostic, plot_runs
 
@@ -171,6 +174,8 @@ def compare_runs(run_dirs: Sequence[Path], out_dir: Path, title: str = "") -> st
         text += f"\nMean ± std over seeds:\n\n{over_seeds}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
+    if not plots:
+        return text
     series = dict(zip(labels, (r.rows for r in runs), strict=True))
     plot_runs(series, out_dir / "comparison.png", title=title)
     for key in DIAGNOSTICS:
@@ -189,8 +194,9 @@ class ComparisonCallback(Callback):
         run_dirs = find_runs(sweep_dir)
         if run_dirs:
             title = str(config.get("experiment_title") or sweep_dir.name)
-            print(compare_runs(run_dirs, sweep_dir, title))
-            print(f"comparison written to {sweep_dir}/comparison.md and comparison.png")
+            plots = bool(config.get("plots", True))
+            print(compare_runs(run_dirs, sweep_dir, title, plots=plots))
+            print(f"comparison written to {sweep_dir}/comparison.md" + " and plots" * plots)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -202,12 +202,8 @@ def _validate_run(cfg: DictConfig) -> None:
         fork,
         "must be null, <run_dir> or <run_dir>@<round> (round a positive integer)",
     )
-    _require(
-        isinstance(cfg.get("checkpoint_history", False), bool),
-        "checkpoint_history",
-        cfg.get("checkpoint_history"),
-        "must be true or false",
-    )
+    for key in ("checkpoint_history", "plots"):
+        _require(isinstance(cfg.get(key, False), bool), key, cfg.get(key), "must be true or false")
     _number(cfg, "time_budget_s", 0, strict=True, null=True)
     output_dir = cfg.get("output_dir")
     _require(

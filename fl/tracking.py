@@ -133,7 +133,7 @@ class RunLog:
 
         summary = {**summarize(self.rows, self.cfg.get("target_accuracy")), **(extra or {})}
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self.rows:
+        if self.rows and self.cfg.get("plots", True):
             plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)
         if self.wandb is not None:
             self.wandb.summary.update(summary)

@@ -48,6 +48,10 @@ def test_table_reports_traffic_relative_to_first_run(tmp_path):
     assert apf.endswith("| 0.750 |") and fedavg.endswith("| - |")
     for name in ("comparison.md", "comparison.png", "frozen_fraction.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # plots=false (the presets' quick CI variants): the same table, no PNG at all
+    quiet = tmp_path / "quiet"
+    assert compare_runs([tmp_path / "0", tmp_path / "1"], quiet, "t", plots=False) == table
+    assert [p.name for p in quiet.iterdir()] == ["comparison.md"]
 
 
 def test_table_reports_rounds_and_traffic_to_target(tmp_path):
