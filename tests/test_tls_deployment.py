@@ -186,6 +186,22 @@ def test_registered_tls_nodes_complete_rounds_like_the_local_engine(secure, tmp_
         assert [r[key] for r in rows] == [r[key] for r in local], key
 
 
+@pytest.mark.slow  # about 60 s: a full TLS deployment run with the side channel
+@pytest.mark.integration
+def test_the_grpc_side_channel_runs_over_tls_in_a_tls_deployment(secure, tmp_path):
+    tls = ["engine.insecure=false", f"engine.root_certificates={secure.certs / 'ca.pem'}"]
+    bulk = ["transport=grpc", "transport.min_bytes=1"]
+    proc = submit(secure, tmp_path / "dep", *TWO_ROUNDS, *tls, *bulk)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + secure.logs()
+    rows = read_metrics(tmp_path / "dep")
+    assert [(r["bulk_down"], r["bulk_up"], r["bulk_fallbacks"]) for r in rows] == [(2, 2, 0)] * 2
+    # the service serves TLS only, so every transfer counted above went over TLS
+    assert all(r["bulk_tls"] == 1 for r in rows)
+    local = local_rows(*TWO_ROUNDS)
+    for key in ("accuracy", "loss", "bytes_up", "bytes_down"):
+        assert [r[key] for r in rows] == [r[key] for r in local], key
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(INTRUDERS))
 def test_unauthenticated_or_untrusting_nodes_are_refused(secure, name):

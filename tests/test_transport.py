@@ -306,19 +306,37 @@ def _same(replies: list[Message], inline: list[Message]) -> bool:
 def test_replies_through_the_side_channel_equal_inline_replies():
     replies, counts, inline = _round_trip()
     assert _same(replies, inline)
-    assert counts == {"bulk_down": 2, "bulk_up": 2, "bulk_fallbacks": 0, "bulk_refused": 0}
+    assert counts == {
+        "bulk_down": 2,
+        "bulk_up": 2,
+        "bulk_fallbacks": 0,
+        "bulk_refused": 0,
+        "bulk_tls": 0,
+    }
 
 
 def test_a_dead_peer_falls_back_to_inline_and_is_counted():
     replies, counts, inline = _round_trip(advertise=f"127.0.0.1:{_free_port()}", timeout_s=5.0)
     assert _same(replies, inline)  # the instructions were sent again, inline
-    assert counts == {"bulk_down": 2, "bulk_up": 0, "bulk_fallbacks": 2, "bulk_refused": 0}
+    assert counts == {
+        "bulk_down": 2,
+        "bulk_up": 0,
+        "bulk_fallbacks": 2,
+        "bulk_refused": 0,
+        "bulk_tls": 0,
+    }
 
 
 def test_an_upload_over_the_limit_falls_back_to_inline_and_is_counted():
     replies, counts, inline = _round_trip(max_upload_bytes=1000)
     assert _same(replies, inline)
-    assert counts == {"bulk_down": 2, "bulk_up": 0, "bulk_fallbacks": 2, "bulk_refused": 0}
+    assert counts == {
+        "bulk_down": 2,
+        "bulk_up": 0,
+        "bulk_fallbacks": 2,
+        "bulk_refused": 0,
+        "bulk_tls": 0,
+    }
 
 
 def test_a_corrupted_blob_fails_its_checksum_and_is_sent_inline():
@@ -378,7 +396,7 @@ def _train(out: Path, *overrides: str) -> list[dict]:
     return read_metrics(out)
 
 
-BULK_KEYS = ("bulk_down", "bulk_up", "bulk_fallbacks", "bulk_refused")
+BULK_KEYS = ("bulk_down", "bulk_up", "bulk_fallbacks", "bulk_refused", "bulk_tls")
 
 
 def _strip(rows: list[dict]) -> list[dict]:

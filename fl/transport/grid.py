@@ -214,11 +214,12 @@ class BulkGrid(DelegatingGrid):
 
     def diagnostics(self) -> dict[str, int]:
         """Counts since the last call: instructions and replies whose arrays went aside,
-        inline fallbacks, refused reply references."""
+        inline fallbacks, refused reply references; and `bulk_tls` 1 when the service
+        serves TLS only (so every transfer counted went over TLS)."""
         keys = ("bulk_down", "bulk_up", "bulk_fallbacks", "bulk_refused")
         out = {key: self.counts[key] for key in keys}
         self.counts.clear()
-        return out
+        return out | {"bulk_tls": int(self.settings.tls)}
 
     def close(self) -> None:
         """Stop the bulk service."""
