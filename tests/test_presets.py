@@ -41,6 +41,7 @@ SLOW = {
     "asfl": "5 arms, about 15 s",
     "r2sp": "6 arms, about 14 s",
     "lrd2d_headroom": "4 arms, about 12 s",
+    "sync_tuning_headroom": "3 arms, about 19 s (sync_tuning's mechanic, checked by default)",
 }
 
 
@@ -396,6 +397,7 @@ def _ledger_charges(arms: list[Arm]) -> None:
 MECHANICS: dict[str, Callable[[list[Arm]], None]] = {
     "apf_vs_fedavg": _apf_freezes,
     "sync_tuning": _sync_tuned,
+    "sync_tuning_headroom": _sync_tuned,
     "fedsu": _fedsu_speculates,
     "fedca": _fedca_stops,
     "asfl": _semi_async_quota,
