@@ -42,6 +42,8 @@ SLOW = {
     "r2sp": "6 arms, about 14 s",
     "lrd2d_headroom": "4 arms, about 12 s",
     "sync_tuning_headroom": "3 arms, about 19 s (sync_tuning's mechanic, checked by default)",
+    "fedsu": "5 arms, about 13 s",
+    "lrd2d": "4 arms, about 9 s",
 }
 
 
