@@ -29,7 +29,7 @@ EXPERIMENTS = CONF / "experiment"
 QUICK = "_quick"
 NOT_PAPER_PRESETS = {"smoke"}  # a plain few-second sanity run, not a paper's experiment
 # Quick sweeps left to `-m slow` (run them with `pytest -m slow tests/test_presets.py`): the
-# default suite gives this file about a minute, and a run of a sweep costs about 1 s of CPU
+# default suite gives this file about half a minute, and a run of a sweep costs about 1 s of CPU
 # whatever its size (Hydra's compose, a gc pass; quick variants draw no plots), so the big
 # sweeps stay out. Each slow preset's strategies keep their fast unit tests.
 # Wall seconds per sweep, 2026-12-03 (pytest -n 0, 2 cores shared with other jobs, load ~7):
@@ -44,6 +44,8 @@ SLOW = {
     "sync_tuning_headroom": "3 arms, about 19 s (sync_tuning's mechanic, checked by default)",
     "fedsu": "5 arms, about 13 s",
     "lrd2d": "4 arms, about 9 s",
+    "apf_vs_fedavg": "4 arms of 3 rounds, about 30 s",
+    "sync_tuning": "3 arms, about 7 s",
 }
 
 
