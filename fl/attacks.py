@@ -24,7 +24,7 @@ and the mod says so once per process in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -34,7 +34,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fl.codec import CODEC, CodecError, decode, encode_dense
-from fl.config import from_run_config, run_config_key
+from fl.config import from_run_config, run_faults
 from fl.records import Layout, record_of, required_record
 from fl.seeding import derive_seed
 
@@ -124,22 +124,9 @@ def rewrite_reply(
     return applied
 
 
-_KINDS: dict[str, tuple[str, ...]] = {}  # run config -> its attack kinds
-
-
-def _run_attack_kinds(run_config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The run's attack kinds, read from its config once per process (reading an OmegaConf
-    node on every message costs more than the rest of this mod)."""
-    key = run_config_key(run_config)
-    if key not in _KINDS:
-        faults = from_run_config(run_config).get("faults") or {}
-        _KINDS[key] = attack_kinds(faults.get("attack"))
-    return _KINDS[key]
-
-
 def attack_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: the run's attackers rewrite their train replies (none by default)."""
-    kinds = _run_attack_kinds(context.run_config)
+    kinds = attack_kinds(run_faults(context.run_config).get("attack"))
     if not kinds or msg.metadata.message_type != "train":
         return call_next(msg, context)
     cfg = from_run_config(context.run_config)

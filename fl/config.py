@@ -63,6 +63,19 @@ def plain(node: Any) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
+_FAULTS: dict[str, dict[str, Any]] = {}  # run config -> its faults group, as a plain dict
+
+
+def run_faults(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's `faults` group (rates and attacks) as a plain dict, read once per process:
+    the fault and attack mods consult it on every message, and reading an OmegaConf node
+    costs more than the rest of either mod."""
+    key = run_config_key(run_config)
+    if key not in _FAULTS:
+        _FAULTS[key] = plain(from_run_config(run_config).get("faults") or {})
+    return _FAULTS[key]
+
+
 def compose(overrides: list[str] | None = None) -> DictConfig:
     """The config of `conf/config.yaml` with Hydra command-line style overrides."""
     from hydra import compose as hydra_compose

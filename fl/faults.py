@@ -16,15 +16,13 @@ so a client that crashes or drops out never gets to attack.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
 from fl.attacks import attack_mod
-from fl.config import from_run_config, run_config_key
+from fl.config import from_run_config, run_faults
 from fl.records import required_record
 from fl.seeding import derive_seed
 
@@ -52,26 +50,14 @@ def draw_fault(seed: int, server_round: int, partition: int, rates: dict[str, fl
     return ""
 
 
-_RATES: dict[str, dict[str, float]] = {}  # run config -> its fault rates
-
-
-def _fault_rates(run_config: Mapping[str, Any]) -> dict[str, float]:
-    """The run's crash, dropout and hang rates, read from its config once per process
-    (not per message: reading an OmegaConf node costs more than the rest of this mod)."""
-    key = run_config_key(run_config)
-    if key not in _RATES:
-        faults = from_run_config(run_config).get("faults") or {}
-        _RATES[key] = {kind: float(faults.get(kind, 0.0)) for kind in KINDS}
-    return _RATES[key]
-
-
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: inject the configured faults (then attacks) into train messages."""
     if msg.metadata.message_type != "train":
         return call_next(msg, context)
     if "partition-id" not in context.node_config:  # the ClientApp says what is missing
         return call_next(msg, context)
-    if not any(_fault_rates(context.run_config).values()):  # no client fails: none drawn
+    faults = run_faults(context.run_config)
+    if not any(float(faults.get(kind, 0.0)) for kind in KINDS):  # no client fails: none drawn
         return attack_mod(msg, context, call_next)
     cfg = from_run_config(context.run_config)
     faults = cfg.faults
