@@ -11,7 +11,6 @@ arm and one mechanic the preset is about.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -21,8 +20,10 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, fl_run_cmd, python_run, read_metrics
+from conftest import REPO, fl_run_cmd, python_run
 from omegaconf import DictConfig, OmegaConf
+
+from fl.compare import find_runs, load_run
 
 CONF = REPO / "conf"
 EXPERIMENTS = CONF / "experiment"
@@ -189,18 +190,13 @@ class Arm:
 
 
 def _arms(out: Path) -> list[Arm]:
-    """Every run under `out` (a sweep directory, or `out/run` for a single run)."""
+    """Every run under `out` (a sweep directory, or `out/run` for a single run), found and
+    read as `fl.compare` reads them for the comparison table."""
     arms = []
-    for metrics in sorted(out.glob("**/metrics.jsonl")):
-        run = metrics.parent
-        arms.append(
-            Arm(
-                overrides=yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()),
-                config=OmegaConf.load(run / "config.yaml"),
-                rows=read_metrics(run),
-                summary=json.loads((run / "summary.json").read_text()),
-            )
-        )
+    for run_dir in find_runs(out) or find_runs(out / "run"):
+        run = load_run(run_dir)
+        config = OmegaConf.load(run_dir / "config.yaml")
+        arms.append(Arm(run.overrides, config, run.rows, run.summary))
     return arms
 
 
