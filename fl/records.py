@@ -183,7 +183,7 @@ def _declared(dtype_name: str, shape: tuple[int, ...]) -> tuple[np.dtype, bytes,
         raise ValueError(f"array declares dtype {dtype_name!r}, shape {shape!r}") from err
     if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or min(shape, default=0) < 0:
         raise ValueError(f"array declares dtype {dtype_name!r}, shape {shape!r}")
-    header = _npy_header(str(np.lib.format.dtype_to_descr(dtype)), shape)
+    _, header = _written(dtype, shape)
     return dtype, header, math.prod(shape) * dtype.itemsize
 
 
