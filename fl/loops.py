@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -40,6 +41,7 @@ from flwr.serverapp import Grid
 from fl.clock import Job, VirtualClock
 from fl.codec import Traffic, payload_traffic
 from fl.errors import RunError
+from fl.population import NodeIds, partitions_of
 from fl.records import record_of
 from fl.roundrobin import RoundRobin
 from fl.strategy import ReplyInfo, UploadParts
@@ -228,17 +230,18 @@ class RoundDriver:
             return candidates  # every idle group, whole
         return None
 
-    def idle(self, nodes: Sequence[int]) -> Sequence[int]:
+    def idle(self, nodes: NodeIds) -> NodeIds:
         """The nodes that may be asked now: none in flight, and for `groups` only whole
-        groups none of whose members is in flight."""
+        groups none of whose members is in flight. Vectorised: `nodes` may be millions."""
         if self.settings.kind != "groups":
-            return [n for n in nodes if n not in self.flights] if self.flights else nodes
+            return nodes.without(self.flights)
+        groups = partitions_of(self.partitions, nodes) % self.settings.groups
         busy = {self._group(n) for n in self.flights}
-        free = [n for n in nodes if self._group(n) not in busy]
-        if self.schedule is None:
-            return free
-        due = set(self.schedule.due({self._group(n) for n in free}, busy))
-        return [n for n in free if self._group(n) in due]
+        free = ~np.isin(groups, list(busy))
+        if self.schedule is not None:
+            due = self.schedule.due(set(np.unique(groups[free]).tolist()), busy)
+            free &= np.isin(groups, list(due))
+        return nodes.where(free)
 
     def _group(self, node: int) -> int:
         return self.partitions[node] % self.settings.groups

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from fl.hooks import ClientHooks
+from fl.population import as_node_ids
 from fl.registry import register
 from fl.sac import SACConfig, SACDiscrete
 from fl.seeding import derive_seed
@@ -142,19 +143,42 @@ def merge_cache(cache: dict[int, CacheEntry], server_round: int, exponent: float
     return merged.to(cache[nodes[0]].vector.dtype)
 
 
-def selection_scores(candidates: list[int], seen: dict[int, list[float]]) -> list[float]:
+def selection_scores(candidates: Sequence[int], seen: dict[int, list[float]]) -> np.ndarray:
     """Device-selection score per candidate: loss/mean + examples/mean − duration/median
-    over the nodes heard from; +inf for a node never heard from (explored first)."""
-    known = [seen[n] for n in candidates if n in seen]
+    over the nodes heard from; +inf for a node never heard from (explored first).
+    Vectorised over the candidates, who may be a whole population; Python work only for
+    the nodes heard from."""
+    nodes = as_node_ids(candidates)
+    scores = np.full(len(nodes), math.inf)
+    if not seen:
+        return scores
+    seen_ids = np.fromiter(seen, np.uint64, len(seen))
+    heard = np.flatnonzero(np.isin(nodes.ids, seen_ids, assume_unique=True))
+    known = [seen[nodes[i]] for i in heard]  # in candidate order
     if not known:
-        return [math.inf] * len(candidates)
+        return scores
     loss = float(np.mean([k[0] for k in known])) or 1.0
     examples = float(np.mean([k[1] for k in known])) or 1.0
     duration = float(np.median([k[2] for k in known])) or 1.0
-    return [
-        seen[n][0] / loss + seen[n][1] / examples - seen[n][2] / duration if n in seen else math.inf
-        for n in candidates
-    ]
+    scores[heard] = [k[0] / loss + k[1] / examples - k[2] / duration for k in known]
+    return scores
+
+
+def top_k(scores: np.ndarray, jitter: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k highest scores, ties broken by the lower jitter, ascending.
+
+    The set a full sort by (−score, jitter) would take first, found by partitioning: a
+    population's candidates are mostly unseen (+inf), so the ties are what is large.
+    """
+    if k <= 0:
+        return np.zeros(0, dtype=np.intp)
+    kth = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th highest
+    above = np.flatnonzero(scores > kth)
+    tied = np.flatnonzero(scores == kth)
+    need = k - len(above)
+    if need < len(tied):
+        tied = tied[np.argpartition(jitter[tied], need - 1)[:need]]
+    return np.sort(np.concatenate([above, tied]))
 
 
 class ASFLServer(ServerStrategy):
@@ -233,9 +257,8 @@ class ASFLServer(ServerStrategy):
             return super().select(server_round, candidates)
         k = min(self.clients_per_round if self.wanted is None else self.wanted, len(candidates))
         jitter = np.random.default_rng([self.seed, server_round, 0xA5F1]).random(len(candidates))
-        scores = selection_scores(list(candidates), self.seen)
-        best = sorted(range(len(candidates)), key=lambda i: (-scores[i], jitter[i]))[:k]
-        return [candidates[i] for i in sorted(best)]
+        best = top_k(selection_scores(candidates, self.seen), jitter, k)
+        return [candidates[i] for i in best]
 
     # ----- merging ----------------------------------------------------------------------
     def rebase(self, delta: torch.Tensor, staleness: int) -> torch.Tensor:

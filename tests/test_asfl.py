@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import read_metrics, run_fl, without_wall_time
 
+from fl.population import NodeIds
 from fl.sac import SACConfig, SACDiscrete
 from fl.strategy import ClientUpdate, ReplyInfo
 from strategies.asfl import (
@@ -17,6 +19,7 @@ from strategies.asfl import (
     deprecate,
     merge_cache,
     selection_scores,
+    top_k,
 )
 from strategies.fedbuff import FedBuffParams, FedBuffServer
 
@@ -119,6 +122,34 @@ def test_selection_explores_unseen_nodes_then_prefers_lossy_big_fast_ones():
     server.seen = seen
     server.plan(2)
     assert server.select(1, [1, 2, 3, 4]) == [1, 4]
+
+
+def test_top_k_takes_what_a_full_sort_by_score_then_jitter_takes():
+    rng = np.random.default_rng(0)
+    for trial in range(500):
+        n = int(rng.integers(1, 40))
+        k = int(rng.integers(0, n + 1))
+        levels = np.array([-1.0, 0.5, 2.0, math.inf])  # ties, as unseen nodes (+inf) are
+        scores = rng.choice(levels, size=n) if trial % 2 else rng.random(n)
+        jitter = rng.random(n)
+        full_sort = sorted(range(n), key=lambda i: (-scores[i], jitter[i]))[:k]
+        assert top_k(scores, jitter, k).tolist() == sorted(full_sort), (scores, jitter, k)
+
+
+def test_selection_in_a_population_takes_the_unseen_then_the_best_seen():
+    """200,000 candidates as NodeIds, 300 heard from: the seeded choice of the sort rule,
+    without a Python step per candidate."""
+    ids = np.arange(10, 200_010, dtype=np.uint64)
+    rng = np.random.default_rng(1)
+    seen_at = rng.choice(len(ids), size=300, replace=False)
+    server = _server()
+    server.seen = {int(ids[i]): [float(rng.random()), 10, float(rng.random())] for i in seen_at}
+    server.plan(len(ids) - 250)  # every unseen node and the 50 best seen ones
+    picked = server.select(3, NodeIds(ids))
+    scores = selection_scores(NodeIds(ids), server.seen)
+    best_seen = sorted(seen_at, key=lambda i: -scores[i])[:50]
+    unseen = np.setdiff1d(np.arange(len(ids)), seen_at)
+    assert picked == sorted(int(ids[i]) for i in [*unseen, *best_seen])
 
 
 def test_sac_networks_have_the_right_shapes_and_a_step_lowers_the_critic_loss():

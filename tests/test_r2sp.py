@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import read_metrics, run_fl, train_in_process, without_wall_time
@@ -16,6 +17,7 @@ from fl.clock import DeviceProfile, VirtualClock
 from fl.codec import Traffic
 from fl.errors import RunError
 from fl.loops import LoopSettings, RoundDriver, _reply
+from fl.population import NodeIds
 from fl.roundrobin import RoundRobin
 from fl.strategy import ClientUpdate
 from strategies.r2sp import FLR2SPParams, R2SPParams, R2SPServer, tuned_batches
@@ -31,9 +33,14 @@ def _driver(groups: int, per_group: int, link: float, speed: float) -> RoundDriv
     return RoundDriver(settings, clock, {i: i for i in range(n)}, math.inf, None, RoundRobin(0.8))
 
 
+def _idle(driver: RoundDriver) -> list[int]:
+    """The nodes the loop may ask now, of all the driver's nodes."""
+    return list(driver.idle(NodeIds(np.array(sorted(driver.partitions)))))
+
+
 def _dispatch(driver: RoundDriver, down: int, samples: int, up: int) -> list[int]:
     """Ask every node the schedule lets start; each reply uploads `up` bytes."""
-    nodes = driver.idle(sorted(driver.partitions))
+    nodes = _idle(driver)
     replies = [_reply(node, 1, RecordDict(), None) for node in nodes]
     driver.dispatch(
         1,
@@ -64,7 +71,7 @@ def test_first_cycle_starts_groups_at_offsets_of_r_T_over_G() -> None:
     assert driver.schedule is not None and driver.schedule.period_s == pytest.approx(period)
     assert driver.held == {} and driver.clock.now == pytest.approx(period)
     # group 0 comes round again: its turn, and the last start (3·gap) is more than a gap ago
-    assert driver.idle(sorted(driver.partitions)) == [0, 4]
+    assert _idle(driver) == [0, 4]
 
 
 def test_overlapping_groups_share_the_server_link_up_to_its_capacity() -> None:

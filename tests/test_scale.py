@@ -8,6 +8,7 @@ the clients that train rather than the population.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -20,7 +21,8 @@ from fl.config import compose
 from fl.data import SyntheticDevices
 from fl.engines.local import LocalGrid
 from fl.engines.node_states import NodeStates
-from fl.population import PartitionMap
+from fl.loops import LoopSettings, RoundDriver
+from fl.population import NodeIds, PartitionMap, partitions_of
 from fl.task import get_task
 from server.checkpoint import load_checkpoint, save_checkpoint
 
@@ -69,6 +71,32 @@ def test_partition_map_holds_a_population_as_arrays():
     assert 25 not in nodes and 2**70 not in nodes and nodes.get(99) is None
     with pytest.raises(ValueError, match="several partitions"):
         PartitionMap(np.array([5, 5]))
+    asked = np.array([30, 40, 20], dtype=np.uint64)
+    assert nodes.lookup(asked).tolist() == [2, 0, 3]
+    assert (
+        partitions_of(nodes, NodeIds(asked)).tolist()
+        == partitions_of(dict(nodes), NodeIds(asked)).tolist()
+    )
+    with pytest.raises(KeyError, match="25"):
+        nodes.lookup(np.array([10, 25], dtype=np.uint64))
+    assert list(nodes.by_partition.without({10, 30, 7})) == [40, 20]
+
+
+def test_the_loop_finds_idle_nodes_in_a_population_without_walking_it():
+    """A million nodes, two in flight: `idle` filters them with array operations, and for
+    groups keeps exactly the nodes of the groups none of whose members is in flight."""
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(np.arange(1, 10**6 + 1, dtype=np.uint64) * 7919)  # partition -> node
+    partitions = PartitionMap(ids)
+    in_flight = {int(ids[3]): None, int(ids[9]): None}  # partitions 3 and 9: groups 3 and 1
+    for kind, expected in (
+        ("semi_async", [p for p in range(10**6) if p not in (3, 9)]),
+        ("groups", [p for p in range(10**6) if p % 4 in (0, 2)]),
+    ):
+        driver = RoundDriver(LoopSettings(kind=kind, groups=4), None, partitions, math.inf)
+        driver.flights = in_flight  # type: ignore[assignment]
+        idle = driver.idle(partitions.by_partition)
+        assert isinstance(idle, NodeIds) and np.array_equal(idle.ids, ids[expected])
 
 
 def test_contexts_are_built_only_for_the_nodes_that_train(tmp_path):
