@@ -6,20 +6,26 @@ of docs/DEPLOYMENT.md, run verbatim by tests/test_flwr_run.py.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 import tomllib
 from pathlib import Path
 
 import pytest
 from federation import running_federation, submit
+from flwr.cli.build import build_fab_from_disk
 from omegaconf import OmegaConf
 
 from fl.config import CONF_DIR
 from fl.engines.deployment import (
     CONNECTION,
+    REPO,
+    app_files,
     flower_connection,
     flower_home,
     server_overrides,
+    staged_app,
 )
 from server.nodes import NODE_WAIT_S
 
@@ -48,6 +54,31 @@ def test_the_node_wait_default_is_the_same_in_the_config_and_the_server():
 
 
 # ----- the submission itself, without a SuperLink -------------------------------------------
+
+
+def test_the_staged_app_packs_the_fab_flwr_packs_from_the_checkout(tmp_path):
+    """`flwr run` of the staged copy submits the same FAB bytes as of the checkout, whose
+    ignored folders (a virtualenv, run outputs), ignored files and symlinks stay out."""
+    app = tmp_path / "app"
+    kept = ["pyproject.toml", ".gitignore", "fl/__init__.py", "server/app.py", "conf/config.yaml"]
+    for name in kept:
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, app / name)
+    extra = {
+        ".venv/lib/site.py": "ignored folder",
+        "experiments/out/run/metrics.jsonl": "{}",  # /experiments/out/
+        "experiments/notes.md": "kept",
+        "fl/__pycache__/x.py": "ignored folder at depth",
+        "fl/module.pyc": "ignored file",
+        "outputs/a.yaml": "a: 1",
+    }
+    for name, text in extra.items():
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text(text)
+    os.symlink(REPO / "README.md", app / "linked.md")
+    assert app_files(app) == sorted([*kept, "experiments/notes.md"])
+    with staged_app(app) as staged:
+        assert build_fab_from_disk(staged) == build_fab_from_disk(app)
 
 
 def test_server_overrides_pin_an_absolute_output_dir():

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pathspec  # what flwr itself reads .gitignore with
 import tomli_w  # a dependency of flwr itself, which writes the same file with it
 from omegaconf import DictConfig
 
@@ -23,13 +24,15 @@ from fl.config import CONF_DIR
 
 __all__ = [
     "CONNECTION",
+    "app_files",
     "flower_connection",
     "flower_home",
     "server_overrides",
+    "staged_app",
     "submit_to_superlink",
 ]
 
-REPO = CONF_DIR.parent  # `flwr run` packs the FAB from here (pyproject.toml + .gitignore)
+REPO = CONF_DIR.parent  # the App: pyproject.toml, .gitignore and the packages
 CONNECTION = "fl-run"  # the SuperLink connection we write into the Flower config file
 STARTED = re.compile(r"Successfully started run (\d+)")
 STATUS_WAIT_S = 30.0
@@ -96,6 +99,44 @@ def flower_home(cfg: DictConfig) -> Iterator[Path]:
             tmp.cleanup()
 
 
+def app_files(root: Path) -> list[str]:
+    """The App's files under `root` (relative POSIX paths): every file `.gitignore` keeps,
+    found without entering ignored folders (a virtualenv, run outputs) or `.git`.
+
+    `flwr run DIR` lists and resolves every file under DIR before it applies `.gitignore`:
+    tens of thousands with a virtualenv inside, seconds of a submission.
+    """
+    ignore = root / ".gitignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    ignored = pathspec.GitIgnoreSpec.from_lines(lines)
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        here = Path(folder).relative_to(root)
+        subfolders[:] = [
+            d
+            for d in subfolders
+            if d != ".git"
+            and not os.path.islink(os.path.join(folder, d))
+            and not ignored.match_file(f"{(here / d).as_posix()}/")
+        ]
+        for name in names:
+            path = (here / name).as_posix()
+            if not os.path.islink(os.path.join(folder, name)) and not ignored.match_file(path):
+                found.append(path)
+    return sorted(found)
+
+
+@contextmanager
+def staged_app(root: Path = REPO) -> Iterator[Path]:
+    """A temporary copy of the App's files (`app_files`), for `flwr run` to pack: the same
+    FAB as from `root` itself, without walking what `.gitignore` excludes."""
+    with tempfile.TemporaryDirectory(prefix="fl-run-app-") as tmp:
+        for name in app_files(root):
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, Path(tmp) / name)
+        yield Path(tmp)
+
+
 def _flwr() -> str:
     """The `flwr` CLI next to this interpreter (the venv's), else the one on PATH."""
     sibling = Path(sys.executable).with_name("flwr")
@@ -149,12 +190,16 @@ def submit_to_superlink(cfg: DictConfig) -> None:
     output_dir = _output_dir(cfg, task)
     overrides = server_overrides(task, output_dir)
 
-    with flower_home(cfg) as home, tempfile.TemporaryDirectory(prefix="fl-run-cfg-") as tmp:
+    with (
+        flower_home(cfg) as home,
+        tempfile.TemporaryDirectory(prefix="fl-run-cfg-") as tmp,
+        staged_app() as app,
+    ):
         # A TOML file for `-c` carries any characters; the inline form
         # `-c "overrides='...'"` cannot hold a quote of its own kind.
         run_config = Path(tmp) / "run-config.toml"
         run_config.write_text(tomli_w.dumps({"overrides": overrides}))
-        cmd = [_flwr(), "run", str(REPO), CONNECTION, "-c", str(run_config)]
+        cmd = [_flwr(), "run", str(app), CONNECTION, "-c", str(run_config)]
         if cfg.engine.stream:
             cmd.append("--stream")
         env = {**os.environ, "FLWR_HOME": str(home)}
