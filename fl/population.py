@@ -13,21 +13,34 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NodeIds", "PartitionMap", "as_node_ids", "nodes_by_partition", "partitions_of"]
+__all__ = [
+    "NodeIds",
+    "PartitionMap",
+    "as_node_ids",
+    "member",
+    "nodes_by_partition",
+    "partitions_of",
+]
 
 
 class NodeIds(Sequence[int]):
-    """Node ids (unsigned 64-bit, as Flower's) held as one array; items read back as Python ints."""
+    """Node ids (unsigned 64-bit, as Flower's) held as one array; items read back as Python ints.
 
-    def __init__(self, ids: np.ndarray) -> None:
+    `partitions`, when known, is the partition each id holds: the loop's candidates come
+    from the population in partition order and carry theirs, so grouping by partition
+    needs no lookup.
+    """
+
+    def __init__(self, ids: np.ndarray, partitions: np.ndarray | None = None) -> None:
         self.ids = np.asarray(ids, dtype=np.uint64)
+        self.partitions = partitions
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return NodeIds(self.ids[i])
+            return NodeIds(self.ids[i], None if self.partitions is None else self.partitions[i])
         return int(self.ids[i])
 
     def __iter__(self) -> Iterator[int]:
@@ -35,14 +48,33 @@ class NodeIds(Sequence[int]):
 
     def where(self, mask: np.ndarray) -> NodeIds:
         """The ids where `mask` (one bool per id) is True, in the same order."""
-        return NodeIds(self.ids[mask])
+        return NodeIds(self.ids[mask], None if self.partitions is None else self.partitions[mask])
 
     def without(self, nodes: Collection[int]) -> NodeIds:
-        """These ids but `nodes`, in the same order (one vectorised pass, not a Python loop)."""
+        """These ids but `nodes`, in the same order (array operations, not a Python loop)."""
         if not nodes:
             return self
-        drop = np.fromiter(nodes, dtype=np.uint64, count=len(nodes))
-        return self.where(~np.isin(self.ids, drop, assume_unique=True))
+        return self.where(~member(self.ids, np.fromiter(nodes, np.uint64, len(nodes))))
+
+
+def member(values: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """One bool per value (uint64): whether it is in `of` (a few: nodes in flight, heard from).
+
+    A table indexed by the low bits of an id (about 8 slots per id of `of`) screens out
+    nearly every value in one gather; only those landing in a used slot are looked up by
+    binary search in the sorted `of`. Node ids are random, so few land there.
+    """
+    out = np.zeros(len(values), dtype=bool)
+    if not len(of):
+        return out
+    known = np.sort(of.astype(np.uint64))
+    mask = (1 << max((8 * len(known)).bit_length(), 10)) - 1
+    used = np.zeros(mask + 1, dtype=bool)
+    used[known & np.uint64(mask)] = True
+    screened = np.flatnonzero(used[values & np.uint64(mask)])
+    at = np.minimum(np.searchsorted(known, values[screened]), len(known) - 1)
+    out[screened] = known[at] == values[screened]
+    return out
 
 
 def as_node_ids(nodes: Sequence[int]) -> NodeIds:
@@ -63,7 +95,7 @@ class PartitionMap(Mapping[int, int]):
     RECENT = 4096  # answers kept: more than a round's nodes
 
     def __init__(self, by_partition: np.ndarray) -> None:
-        self.by_partition = NodeIds(by_partition)
+        self.by_partition = NodeIds(by_partition, np.arange(len(by_partition)))
         order = np.argsort(self.by_partition.ids, kind="stable")
         self._nodes, self._partitions = self.by_partition.ids[order], order
         if len(self._nodes) > 1 and not bool(np.all(np.diff(self._nodes) > 0)):
@@ -105,8 +137,11 @@ class PartitionMap(Mapping[int, int]):
 
 
 def partitions_of(partitions: Mapping[int, int], nodes: NodeIds) -> np.ndarray:
-    """The partition of each of `nodes`: vectorised for a PartitionMap (an in-process
-    population), one lookup a node for a deployment's dict (a few nodes)."""
+    """The partition of each of `nodes`: carried by the loop's candidates, else looked up,
+    vectorised in a PartitionMap (an in-process population) or one by one in a deployment's
+    dict (a few nodes)."""
+    if nodes.partitions is not None:
+        return nodes.partitions
     if isinstance(partitions, PartitionMap):
         return partitions.lookup(nodes.ids)
     return np.fromiter((partitions[n] for n in nodes), dtype=np.int64, count=len(nodes))
@@ -120,4 +155,4 @@ def nodes_by_partition(partitions: Mapping[int, int], num_partitions: int) -> No
     ids = np.zeros(num_partitions, dtype=np.uint64)
     for node, partition in partitions.items():
         ids[partition] = node
-    return NodeIds(ids)
+    return NodeIds(ids, np.arange(num_partitions))

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fl.hooks import ClientHooks
-from fl.population import as_node_ids
+from fl.population import as_node_ids, member
 from fl.registry import register
 from fl.sac import SACConfig, SACDiscrete
 from fl.seeding import derive_seed
@@ -152,8 +152,7 @@ def selection_scores(candidates: Sequence[int], seen: dict[int, list[float]]) ->
     scores = np.full(len(nodes), math.inf)
     if not seen:
         return scores
-    seen_ids = np.fromiter(seen, np.uint64, len(seen))
-    heard = np.flatnonzero(np.isin(nodes.ids, seen_ids, assume_unique=True))
+    heard = np.flatnonzero(member(nodes.ids, np.fromiter(seen, np.uint64, len(seen))))
     known = [seen[nodes[i]] for i in heard]  # in candidate order
     if not known:
         return scores

@@ -22,7 +22,7 @@ from fl.data import SyntheticDevices
 from fl.engines.local import LocalGrid
 from fl.engines.node_states import NodeStates
 from fl.loops import LoopSettings, RoundDriver
-from fl.population import NodeIds, PartitionMap, partitions_of
+from fl.population import NodeIds, PartitionMap, member, partitions_of
 from fl.task import get_task
 from server.checkpoint import load_checkpoint, save_checkpoint
 
@@ -80,6 +80,23 @@ def test_partition_map_holds_a_population_as_arrays():
     with pytest.raises(KeyError, match="25"):
         nodes.lookup(np.array([10, 25], dtype=np.uint64))
     assert list(nodes.by_partition.without({10, 30, 7})) == [40, 20]
+    values = np.array([1, 5, 9, 2**64 - 1], dtype=np.uint64)
+    assert member(values, np.array([9, 1, 2**64 - 1], dtype=np.uint64)).tolist() == [
+        True, False, True, True
+    ]  # fmt: skip
+    assert not member(values, np.zeros(0, dtype=np.uint64)).any()
+
+
+def test_member_agrees_with_a_set_whatever_the_ids_low_bits():
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        if trial % 2:
+            pool = rng.integers(0, 2**64 - 1, size=400, dtype=np.uint64)  # random, as Flower's
+        else:
+            pool = np.arange(400, dtype=np.uint64) * 4096  # one low-bit slot for all
+        values = rng.choice(pool, int(rng.integers(0, 300)))
+        of = rng.choice(pool, int(rng.integers(0, 50)), replace=False)
+        assert member(values, of).tolist() == [v in set(of.tolist()) for v in values.tolist()]
 
 
 def test_the_loop_finds_idle_nodes_in_a_population_without_walking_it():
