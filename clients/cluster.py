@@ -29,12 +29,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from logging import INFO
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -42,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import Sampler
 
@@ -72,6 +77,7 @@ app.evaluate()(local.evaluate)
 
 CONTROLLERS = ("cpu", "gpu")
 JOIN_TIMEOUT = datetime.timedelta(minutes=5)  # a rank that never comes fails the round
+CODE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, or the FAB, rank 0 runs
 ROUND_KEY = "fl-cluster-round"  # rank 0's store names the round it opens (a fresh token)
 
 
@@ -419,9 +425,18 @@ def _worker_command(master: str, rank: int, config: ClusterConfig, rounds: int) 
 
 
 def _spawn_workers(port: int, config: ClusterConfig) -> list[subprocess.Popen[bytes]]:
-    """Ranks 1..N-1 on this machine, for one round."""
+    """Ranks 1..N-1 on this machine, for one round, running rank 0's own code.
+
+    Under a SuperNode rank 0 runs the submitted App's code from the FAB Flower installed
+    (not what the working directory or the environment would import): the workers
+    import theirs from the same place (PYTHONPATH first, the working directory, where
+    they load data as rank 0 does, kept off sys.path by PYTHONSAFEPATH).
+    """
     master = f"127.0.0.1:{port}"
-    return [subprocess.Popen(_worker_command(master, r, config, 1)) for r in range(1, config.ranks)]
+    path = os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
+    commands = [_worker_command(master, r, config, 1) for r in range(1, config.ranks)]
+    return [subprocess.Popen(command, env=env) for command in commands]
 
 
 def run_cluster_round(
@@ -494,8 +509,15 @@ def train(msg: Message, context: Context) -> Message:
             config.slowdown,
             config.device,
         )
+        started = time.perf_counter()
         result, shares = run_cluster_round(
             config, prepared.model, prepared.data, instruction, prepared.hooks
+        )
+        log(  # in the SuperNode's log: the round ran on the cluster, and how
+            INFO,
+            "cluster client: %d steps on %d %s ranks (%s), last shares %s, %.1f s",
+            *(result.steps, config.ranks, config.backend, config.device, shares),
+            time.perf_counter() - started,
         )
         shares_metrics = {f"cluster-share-{r}": s for r, s in enumerate(shares)}
         return result, lambda: {"cluster-ranks": config.ranks, **shares_metrics}
@@ -592,17 +614,28 @@ def gpu_cluster_check() -> dict[str, Any]:
 
 
 def _start_workers(args: argparse.Namespace) -> int:
-    """`workers`: ranks first..N-1 on this machine, serving rank 0's rounds until stopped."""
+    """`workers`: ranks first..N-1 on this machine, serving rank 0's rounds until stopped.
+
+    Stopped by SIGTERM (kill, systemd, a test) as by Ctrl-C: it ends its ranks first
+    (SIGTERM's default would leave them behind, waiting for rank 0 forever).
+    """
     config = ClusterConfig(
         args.ranks, args.backend, device="cuda" if args.backend == "nccl" else "cpu"
     )
     ranks = range(args.first_rank, args.ranks)
-    procs = [subprocess.Popen(_worker_command(args.master, r, config, 0)) for r in ranks]
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        procs += [subprocess.Popen(_worker_command(args.master, r, config, 0)) for r in ranks]
         return max(p.wait() for p in procs)
     finally:
         for p in procs:
             p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,11 +29,14 @@ import pytest
 import tomli_w
 from conftest import OFFLINE, REPO, fl_env, fl_run_cmd, read_metrics, run_fl
 
+from fl.engines.deployment import app_files
+
 __all__ = [
     "BIN",
     "TWO_ROUNDS",
     "Federation",
     "Wrap",
+    "app_copy",
     "flwr_cli",
     "local_rows",
     "netns_pair",
@@ -188,8 +191,10 @@ class Federation:
         *flags: str,
         name: str | None = None,
         wrap: Wrap | None = None,
+        node_config: str = "",
     ) -> subprocess.Popen[bytes]:
-        """A SuperNode holding `partition` of `partitions`, dialling `fleet`."""
+        """A SuperNode holding `partition` of `partitions`, dialling `fleet`; `node_config`:
+        more `--node-config` pairs in Flower's syntax (strings quoted: `key="a,b"`)."""
         cmd = [
             str(BIN / "flower-supernode"),
             *flags,
@@ -198,7 +203,7 @@ class Federation:
             "--port",  # the node's own Runtime API; one port per node
             str(next(self._ports)),
             "--node-config",
-            f"partition-id={partition} num-partitions={partitions}",
+            f"partition-id={partition} num-partitions={partitions} {node_config}".strip(),
         ]
         return self.start(name or f"supernode{partition}", cmd, wrap)
 
@@ -288,10 +293,29 @@ def netns_pair(subnet: int = 77) -> Iterator[tuple[Wrap, str, Wrap, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def app_copy(dest: Path, clientapp: str) -> Path:
+    """A copy of this repo's App (every file `.gitignore` keeps, as they are now) whose
+    `pyproject.toml` names `clientapp` as its ClientApp component; `dest` returned.
+
+    `python -m fl.run` run inside it submits the copy (fl-run packs the FAB from the
+    checkout its `fl` package comes from): the App a user edits in DEPLOYMENT.md §15.
+    """
+    for name in app_files(REPO):  # what fl-run stages for `flwr run`
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    pyproject = dest / "pyproject.toml"
+    default = 'clientapp = "clients.app:app"'
+    text = pyproject.read_text()
+    assert default in text, "pyproject.toml no longer names clients.app:app"
+    pyproject.write_text(text.replace(default, f'clientapp = "{clientapp}"'))
+    return dest
+
+
 def submit(
-    fed: Federation, run_dir: Path, *overrides: str, timeout: float = 240
+    fed: Federation, run_dir: Path, *overrides: str, timeout: float = 240, app: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    """`fl-run engine=deployment` against `fed` (through its `wrap`), to the end of the run."""
+    """`fl-run engine=deployment` against `fed` (through its `wrap`), to the end of the run;
+    `app`: the checkout it runs in, and so the App it submits (see `app_copy`)."""
     cmd = fl_run_cmd(
         f"hydra.run.dir={run_dir}",
         "engine=deployment",
@@ -302,7 +326,7 @@ def submit(
     env = {k: v for k, v in {**fl_env(), **OFFLINE}.items() if k != "FLWR_HOME"}
     proc = subprocess.Popen(
         fed.wrap(cmd) if fed.wrap else cmd,
-        cwd=REPO,
+        cwd=app,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
