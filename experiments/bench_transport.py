@@ -7,9 +7,13 @@ side on 127.0.0.1:
    through a real SuperLink and SuperNode (`flwr run` of this file as a Flower App), one
    message at a time, `repeats` per mode (after one warm-up): `inline` (the model inside
    Flower's messages), `grpc` and `rdma` (the model on the side channel, `fl.transport`;
-   rdma only where NIXL imports). Flower's polling (the SuperNode sleeps 3 s when idle,
-   0.5 s while its ClientApp works) and the start of a fresh ClientApp process per message
-   are the same in every mode and are not the bytes' cost, so they are not counted. What
+   rdma only where NIXL imports) through the node's bulk agent (`fl.transport.sidecar`,
+   started beside the SuperNode as a deployment runs it: `bulk-agent=PATH` in the node
+   config), and `grpc_process` and `rdma_process`, the same without the agent (each
+   ClientApp process dials, and for rdma makes its own NIXL agent). Flower's polling (the
+   SuperNode sleeps 3 s when idle, 0.5 s while its ClientApp works) and the start of a
+   fresh ClientApp process per message are the same in every mode and are not the
+   bytes' cost, so they are not counted; nor is the agent's start (once per node). What
    is counted, per message: the ServerApp's `push_messages` (inline: deflate, hash and
    upload the model to the SuperLink; bulk: pack, hash, publish, push a small message),
    its `pull_messages` call that returns the reply (download and inflate; bulk: plus
@@ -17,7 +21,9 @@ side on 127.0.0.1:
    own time (fetch, check, unpack; pack, upload), timed around `bulk_mod`. For inline this
    leaves out the SuperNode's two legs (SuperLink -> SuperNode -> ClientApp and back),
    so `inline_s` is a lower bound of Flower's data path and the speedups are lower bounds.
-   `inline_s`, `grpc_s`, `rdma_s`: medians of those sums.
+   `inline_s`, `grpc_s`, `rdma_s`, `grpc_process_s`, `rdma_process_s`: medians of those
+   sums; `load_avg`: the 1-minute load average at the start and the end;
+   `bulk_fallbacks`: per mode, arrays that went inline instead (0 when all went aside).
 2. The aggregation of 10 such replies: ours (`fl.streaming.streamed_weighted_mean` on the
    decoded vectors, what `ServerStrategy.aggregate` does: `aggregate_gbps`; and from the
    replies' ArrayRecords to the new global ArrayRecord, decoding and encoding included, as
@@ -54,6 +60,8 @@ OFFLINE = {
     "PYTHONUNBUFFERED": "1",
 }
 REPLIES = 10
+MODES = ("inline", "grpc", "rdma", "grpc_process", "rdma_process")
+GOALS = {"grpc": 8.0, "rdma": 40.0, "grpc_process": 8.0, "rdma_process": 40.0}  # × inline
 
 
 def model_shapes(mb: float) -> list[tuple[str, tuple[int, ...]]]:
@@ -75,15 +83,22 @@ def model(mb: float, seed: int) -> dict[str, np.ndarray]:
 # ----- the Flower App (loaded by the SuperLink and SuperNode from a copy of this file) -----
 
 try:  # (the launcher below needs none of this)
-    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 
     from fl.records import array_to_numpy, numpy_to_array
     from fl.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
+    from fl.transport.links import NODE_CONFIG_KEY
 
     def timed_bulk_mod(msg: Message, context: Context, call_next: Any) -> Message:
-        """`bulk_mod`, its own seconds (all it does but the handler) added to the reply."""
+        """`bulk_mod`, its own seconds (all it does but the handler) added to the reply;
+        without the node's bulk agent when the message's `bench` config says `process`."""
+        if str(msg.content["bench"]["link"]) == "process":
+            config = {k: v for k, v in context.node_config.items() if k != NODE_CONFIG_KEY}
+            context = Context(
+                context.run_id, context.node_id, config, context.state, context.run_config
+            )
         start = time.perf_counter()
         reply = bulk_mod(msg, context, call_next)
         metrics = reply.content["metrics"]
@@ -111,26 +126,33 @@ try:  # (the launcher below needs none of this)
             time.sleep(0.1)
         (node,) = grid.get_node_ids()
         grids: dict[str, Grid] = {"inline": grid}
+        modes = {"inline": ("inline", "agent")}  # mode -> (grid, the node's link)
         for kind in ("grpc", "rdma"):
             if kind == "grpc" or nixl_available() is None:
                 grids[kind] = BulkGrid(grid, TransportSettings(name=kind, min_bytes=1))
-        results: dict[str, list[dict[str, float]]] = {mode: [] for mode in grids}
+                modes |= {kind: (kind, "agent"), f"{kind}_process": (kind, "process")}
+        results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        fallbacks = dict.fromkeys(modes, 0)  # arrays that went inline instead (should be none)
         seed = 0
         for _ in range(repeats + 1):  # modes interleaved; the first round is a warm-up
-            for mode, target in grids.items():
+            for mode, (kind, link) in modes.items():
                 seed += 1
                 arrays = {k: numpy_to_array(v) for k, v in model(mb, seed).items()}
-                results[mode].append(_round_trip(target, node, ArrayRecord(arrays)))
+                target = grids[kind]
+                results[mode].append(_round_trip(target, node, ArrayRecord(arrays), link))
+                if isinstance(target, BulkGrid):
+                    fallbacks[mode] += target.diagnostics()["bulk_fallbacks"]
         for bulk in grids.values():
             if isinstance(bulk, BulkGrid):
                 bulk.close()
         warm = {mode: rows[1:] for mode, rows in results.items()}
-        Path(str(cfg["out"])).write_text(json.dumps(warm))
+        Path(str(cfg["out"])).write_text(json.dumps({"rows": warm, "fallbacks": fallbacks}))
 
-    def _round_trip(grid: Grid, node: int, arrays: ArrayRecord) -> dict[str, float]:
+    def _round_trip(grid: Grid, node: int, arrays: ArrayRecord, link: str) -> dict[str, float]:
         """One message there and back: push, the reply's pull, the node's side channel."""
+        content = RecordDict({"arrays": arrays, "bench": ConfigRecord({"link": link})})
         start = time.perf_counter()
-        (mid,) = grid.push_messages([Message(RecordDict({"arrays": arrays}), node, "train")])
+        (mid,) = grid.push_messages([Message(content, node, "train")])
         push_s = time.perf_counter() - start
         while True:  # polling Flower: not counted
             start = time.perf_counter()
@@ -175,8 +197,17 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) ->
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
-def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, list[dict[str, float]]]:
-    """Run the App above on a SuperLink and one SuperNode on 127.0.0.1."""
+def _wait_path(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args[0]} made no {path} (exit code {proc.returncode})")
+        time.sleep(0.1)
+
+
+def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, Any]:
+    """Run the App above on a SuperLink and one SuperNode (with its bulk agent) on
+    127.0.0.1: per mode the timed rows, and the count of inline fallbacks."""
     app = root / "app"
     app.mkdir()
     shutil.copy(HERE, app / "bench_app.py")
@@ -197,7 +228,7 @@ def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, list[di
 
         def start(name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
             home = root / name
-            home.mkdir()
+            home.mkdir(exist_ok=True)
             env = {**os.environ, **OFFLINE, "FLWR_HOME": str(home), "PATH": path}
             log = stack.enter_context((root / f"{name}.log").open("wb"))
             proc = subprocess.Popen(cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -211,10 +242,17 @@ def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, list[di
              "--port", str(link_port)],
         )  # fmt: skip
         _wait_port(link_port, link)
+        agent_socket = root / "bulk-agent.sock"  # the node's bulk agent, beside its SuperNode
+        sidecar = start(
+            "bulk-agent",
+            [sys.executable, "-m", "fl.transport.sidecar", "--socket", str(agent_socket)],
+        )
+        _wait_path(agent_socket, sidecar)
         start(
             "supernode",
             [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-             "--port", str(node_port), "--node-config", "partition-id=0 num-partitions=1"],
+             "--port", str(node_port), "--node-config",
+             f'partition-id=0 num-partitions=1 bulk-agent="{agent_socket}"'],
         )  # fmt: skip
         cli = root / "cli"
         cli.mkdir()
@@ -224,14 +262,17 @@ def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, list[di
         )
         config = root / "run.toml"
         config.write_text(f'repeats = {repeats}\nmb = {mb}\nout = "{out}"\n')
-        env = {**os.environ, **OFFLINE, "FLWR_HOME": str(cli), "PATH": path}
-        done = subprocess.run(
-            [str(BIN / "flwr"), "run", str(app), "bench", "-c", str(config), "--stream"],
-            env=env, capture_output=True, text=True, timeout=1800,
-        )  # fmt: skip
+        run = start(  # FLWR_HOME: cli/, the config above
+            "cli", [str(BIN / "flwr"), "run", str(app), "bench", "-c", str(config), "--stream"]
+        )
+        deadline = time.monotonic() + 1800
+        while run.poll() is None and time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs if p is not run):
+                break  # (a SuperNode that cannot start leaves the ServerApp waiting forever)
+            time.sleep(1)
         if not out.exists():
-            logs = "".join(p.read_text()[-3000:] for p in root.glob("*.log"))
-            raise RuntimeError(f"the Flower run wrote no results:\n{done.stdout[-3000:]}\n{logs}")
+            logs = "".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in root.glob("*.log"))
+            raise RuntimeError(f"the Flower run wrote no results:\n{logs}")
     return json.loads(out.read_text())
 
 
@@ -293,7 +334,7 @@ def aggregation(mb: float, repeats: int) -> dict[str, float]:
 def summarise(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Per mode the median of the counted seconds, and of each part."""
     out: dict[str, Any] = {}
-    for mode in ("inline", "grpc", "rdma"):
+    for mode in MODES:
         out[f"{mode}_s"] = _median([sum(r.values()) for r in rows[mode]]) if mode in rows else None
         for part in ("push_s", "pull_s", "node_bulk_s"):
             if mode in rows:
@@ -307,17 +348,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mb", type=float, default=46.8, help="model size (46.8: ResNet-18)")
     parser.add_argument("--repeats", type=int, default=5, help="messages per mode (medians)")
     args = parser.parse_args(argv)
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp:
-        rows = flower_round_trips(args.mb, args.repeats, Path(tmp))
+        flower = flower_round_trips(args.mb, args.repeats, Path(tmp))
+    rows = flower["rows"]
+    load.append(os.getloadavg()[0])
     result: dict[str, Any] = {
         "mb": args.mb,
         "repeats": args.repeats,
+        "load_avg": load,
         "nixl": nixl_available() or "imports",  # why NIXL does not import, if it does not
         **summarise(rows),
+        "bulk_fallbacks": flower["fallbacks"],
         **aggregation(args.mb, args.repeats),
         "rows": rows,
     }
-    for mode, goal in (("grpc", 8.0), ("rdma", 40.0)):
+    for mode, goal in GOALS.items():
         value = result[f"{mode}_s"]
         result[f"{mode}_speedup"] = result["inline_s"] / value if value else None
         result[f"{mode}_goal"] = goal

@@ -9,6 +9,7 @@ byte flipped in a published blob, an upload limit below the reply, a forged refe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import socket
 import subprocess
@@ -39,6 +40,7 @@ from fl.transport import (
     nixl_available,
     transport_grid,
 )
+from fl.transport.digest import PIECE, blob_digest
 from fl.transport.offer import OFFER, Offer
 from fl.transport.peer import fetch, upload
 from fl.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
@@ -92,6 +94,17 @@ def test_pack_and_unpack_rebuild_the_same_records_bit_for_bit():
     back = unpack(rest, wire, bytes(blob))
     assert list(back) == list(content)  # the original order, not just the same keys
     assert back.object_id == content.object_id  # Flower's content hash: identical bytes
+
+
+def test_the_blob_digest_is_sha256_over_the_sha256_of_each_piece():
+    blob = bytearray(np.random.default_rng(0).bytes(2 * PIECE + 12345))
+    pieces = [blob[start : start + PIECE] for start in range(0, len(blob), PIECE)]
+    joined = b"".join(hashlib.sha256(piece).digest() for piece in pieces)
+    assert blob_digest(blob) == hashlib.sha256(joined).hexdigest()
+    assert blob_digest(memoryview(blob)) == blob_digest(bytes(blob))
+    assert blob_digest(b"") == hashlib.sha256(b"").hexdigest()  # no pieces
+    blob[PIECE] ^= 1
+    assert blob_digest(blob) != hashlib.sha256(joined).hexdigest()
 
 
 def test_the_same_record_sent_to_many_nodes_is_packed_once():
@@ -488,11 +501,16 @@ def test_bench_transport_writes_the_promised_keys(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    for key in ("inline_s", "grpc_s", "aggregate_gbps", "flower_aggregate_gbps", "memcpy_gbps"):
+    keys = ("inline_s", "grpc_s", "grpc_process_s", "aggregate_gbps", "flower_aggregate_gbps")
+    for key in (*keys, "memcpy_gbps"):
         assert isinstance(result[key], float), key
     assert result["inline_s"] > 0 and result["grpc_s"] > 0 and result["aggregate_gbps"] > 0
-    assert (result["rdma_s"] is None) == (nixl_available() is not None)
-    assert [len(result["rows"][mode]) for mode in ("inline", "grpc")] == [2, 2]
+    for key in ("rdma_s", "rdma_process_s"):
+        assert (result[key] is None) == (nixl_available() is not None)
+    modes = ("inline", "grpc", "grpc_process")
+    assert [len(result["rows"][mode]) for mode in modes] == [2, 2, 2]
+    assert len(result["load_avg"]) == 2
+    assert set(result["bulk_fallbacks"].values()) == {0}  # all aside, through the node's agent
     assert result["inline_node_bulk_s"] < result["grpc_node_bulk_s"]  # inline: no transfer
 
 

@@ -4,8 +4,9 @@ Flower carries control messages (and, by default, the arrays too). With `transpo
 or `transport=rdma`, a Grid wrapper on the ServerApp (`BulkGrid`) and a ClientApp mod
 (`bulk_mod`) swap each large ArrayRecord for a small reference record (peer, shapes,
 dtypes, SHA-256); the bytes move over a grpcio stream or a NIXL one-sided transfer, and
-any failure falls back to the inline message, counted in the run's metrics. docs/TRANSPORT.md
-says which library does what.
+any failure falls back to the inline message, counted in the run's metrics. On deployed
+nodes a long-lived bulk agent (`python -m fl.transport.sidecar`) does the node's transfers
+for every ClientApp process. docs/TRANSPORT.md says which library does what.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 An instruction with an offer has its referenced arrays fetched (and checked against
 their SHA-256) before the ClientApp sees it; the reply's large arrays are uploaded and
-replaced by a reference. When the fetch fails the node answers `bulk-retry` and the
+replaced by a reference. The bytes move through the node's bulk agent when the node
+config names one (`bulk-agent=PATH`, `fl.transport.sidecar`), else from this process
+(`fl.transport.links`). When the fetch fails the node answers `bulk-retry` and the
 server sends the instruction again inline; when the upload fails the reply goes inline
 with a `bulk-report`. An instruction without an offer passes through untouched.
 """
@@ -16,8 +18,8 @@ from flwr.clientapp.typing import ClientAppCallable
 
 from fl.records import record_of
 from fl.transport.grid import REPORT, RETRY
+from fl.transport.links import node_link
 from fl.transport.offer import OFFER, Offer
-from fl.transport.peer import fetch, upload
 from fl.transport.reference import REFERENCE, Packer, Reference, unpack
 
 __all__ = ["bulk_mod"]
@@ -36,12 +38,14 @@ def bulk_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Me
     if offer_record is None:
         return call_next(msg, context)
     content = RecordDict({k: v for k, v in msg.content.items() if k != OFFER})
+    link = node_link(context)
     try:
         offer = Offer.parse(offer_record)
         reference_record = record_of(content, REFERENCE, ConfigRecord)
         if reference_record is not None:
             reference = Reference.parse(reference_record)
-            content = unpack(content, reference, fetch(offer, reference))
+            with link.fetch(offer, reference) as blob:  # its SHA-256 checked
+                content = unpack(content, reference, blob, hashed=True)
     except Exception as err:  # any failure of the side channel: ask for the inline copy
         log.warning("bulk fetch failed, asking for the arrays inline: %s", _reason(err))
         return Message(RecordDict({RETRY: ConfigRecord({"reason": _reason(err)})}), reply_to=msg)
@@ -49,12 +53,14 @@ def bulk_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Me
     reply = call_next(msg, context)
     if not reply.has_content():
         return reply
-    packed = Packer(offer.min_bytes).pack(reply.content)
-    if packed is None:
-        return reply
-    rest, reference, blob = packed
     try:
-        upload(offer, reference, blob)
+        with link.upload(offer) as outgoing:
+            packed = Packer(offer.min_bytes).pack(reply.content, outgoing.allocate)
+            if packed is None:
+                return reply
+            rest, reference, blob = packed
+            outgoing.send(reference, blob)
+            del packed, blob  # (the blob's memory is the link's until the `with` ends)
     except Exception as err:  # any failure of the side channel: the reply goes inline
         log.warning("bulk upload failed, replying inline: %s", _reason(err))
         reply.content[REPORT] = ConfigRecord({"fallback": _reason(err)})

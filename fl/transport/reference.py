@@ -2,19 +2,18 @@
 
 `Packer.pack` turns the large ArrayRecords of a RecordDict into one contiguous blob plus a
 ConfigRecord naming what the blob holds (record keys, array names, dtypes, shapes, byte
-count, SHA-256); `unpack` checks a blob against such a reference and rebuilds the very
-same ArrayRecords (same bytes, same Flower object ids). A reference comes from the other
-side of a network, so `Reference.parse` validates every field before anything is
-allocated: counts, ranks and sizes are bounded, dtypes come from a whitelist, and the
-byte count must equal what the shapes and dtypes declare.
+count, a SHA-256 digest: `fl.transport.digest`); `unpack` checks a blob against such a
+reference and rebuilds the very same ArrayRecords (same bytes, same Flower object ids).
+A reference comes from the other side of a network, so `Reference.parse` validates every
+field before anything is allocated: counts, ranks and sizes are bounded, dtypes come
+from a whitelist, and the byte count must equal what the shapes and dtypes declare.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fl.records import array_record, array_to_numpy, numpy_to_array
+from fl.transport.digest import blob_digest
 
 __all__ = [
     "DTYPES",
@@ -60,7 +60,7 @@ class Reference:
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     nbytes: int
-    sha256: str
+    sha256: str  # fl.transport.digest.blob_digest of the blob
 
     def to_record(self) -> ConfigRecord:
         """The ConfigRecord form (flat lists: ConfigRecords hold no nested values)."""
@@ -159,11 +159,14 @@ class Packer:
     def __init__(self, min_bytes: int) -> None:
         self.min_bytes = max(min_bytes, 1)
         # (record key, id) of the packed records -> (the records, kept alive; reference; blob)
-        self._memo: dict[tuple[tuple[str, int], ...], tuple[list[Any], Reference, bytearray]] = {}
+        self._memo: dict[tuple[tuple[str, int], ...], tuple[list[Any], Reference, Any]] = {}
 
-    def pack(self, content: RecordDict) -> tuple[RecordDict, Reference, bytearray] | None:
+    def pack(
+        self, content: RecordDict, allocate: Callable[[int], Any] = bytearray
+    ) -> tuple[RecordDict, Reference, Any] | None:
         """The content that remains, the reference to add to it, and the blob; None when
-        no record qualifies."""
+        no record qualifies. `allocate(nbytes)` gives the blob's writable memory (a
+        bytearray; a node's sidecar gives shared memory, so the blob is written once)."""
         moved: dict[str, list[tuple[str, np.ndarray]]] = {}
         for key, record in content.array_records.items():
             arrays = _eligible(record)
@@ -173,7 +176,7 @@ class Packer:
             return None
         memo_key = tuple((key, id(content[key])) for key in moved)
         if memo_key not in self._memo:
-            self._memo[memo_key] = ([content[k] for k in moved], *_blob(moved))
+            self._memo[memo_key] = ([content[k] for k in moved], *_blob(moved, allocate))
         _, reference, blob = self._memo[memo_key]
         rest = RecordDict({k: v for k, v in content.items() if k not in moved})
         return rest, replace(reference, order=tuple(content)), blob
@@ -182,10 +185,12 @@ class Packer:
         self._memo.clear()
 
 
-def _blob(moved: dict[str, list[tuple[str, np.ndarray]]]) -> tuple[Reference, bytearray]:
+def _blob(
+    moved: dict[str, list[tuple[str, np.ndarray]]], allocate: Callable[[int], Any]
+) -> tuple[Reference, Any]:
     """One contiguous blob of these arrays, record by record, and its reference."""
     parts = [(key, name, value) for key, arrays in moved.items() for name, value in arrays]
-    blob = bytearray(sum(v.nbytes for _, _, v in parts))
+    blob = allocate(sum(v.nbytes for _, _, v in parts))
     target, offset = np.frombuffer(blob, dtype=np.uint8), 0
     for _, _, value in parts:
         target[offset : offset + value.nbytes] = value.reshape(-1).view(np.uint8)
@@ -197,19 +202,23 @@ def _blob(moved: dict[str, list[tuple[str, np.ndarray]]]) -> tuple[Reference, by
         tuple(str(v.dtype) for _, _, v in parts),
         tuple(tuple(v.shape) for _, _, v in parts),
         len(blob),
-        hashlib.sha256(blob).hexdigest(),
+        blob_digest(blob),
     )
     return reference, blob
 
 
 def unpack(
-    content: RecordDict, reference: Reference, blob: bytes | bytearray, *, hashed: bool = False
+    content: RecordDict,
+    reference: Reference,
+    blob: bytes | bytearray | memoryview,
+    *,
+    hashed: bool = False,
 ) -> RecordDict:
     """`content` with the arrays of `blob` back in place of its reference, once the blob
     matches the reference's SHA-256 (`hashed`: the caller already checked it)."""
     if len(blob) != reference.nbytes:
         raise ReferenceError(f"blob has {len(blob)} bytes, the reference {reference.nbytes}")
-    if not hashed and hashlib.sha256(blob).hexdigest() != reference.sha256:
+    if not hashed and blob_digest(blob) != reference.sha256:
         raise ReferenceError("blob does not match the reference's SHA-256")
     kept = set(content) - {REFERENCE}
     if kept | set(reference.records) != set(reference.order) or kept & set(reference.records):

@@ -9,11 +9,12 @@ when no live token needs them; tokens expire after `ttl_s`.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+
+from fl.transport.digest import blob_digest
 
 __all__ = ["BlobStore", "StoreError"]
 
@@ -89,7 +90,7 @@ class BlobStore:
     def accept_upload(self, token: str, sha256: str, data: bytearray) -> None:
         """Keep a received upload if its SHA-256 is the one declared."""
         self.check_upload(token, len(data))
-        if hashlib.sha256(data).hexdigest() != sha256:
+        if blob_digest(data) != sha256:
             raise StoreError("upload does not match its declared SHA-256")
         with self._lock:
             ticket = self._ticket(token)
