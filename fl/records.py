@@ -159,7 +159,8 @@ def numpy_to_array(value: np.ndarray) -> Array:
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
     name, header = _written(value.dtype, value.shape)
-    return Array(name, value.shape, NUMPY, header + value.tobytes())
+    data = b"".join((header, value.reshape(-1).view(np.uint8).data))  # one copy
+    return Array(name, value.shape, NUMPY, data)
 
 
 @lru_cache(maxsize=1024)
