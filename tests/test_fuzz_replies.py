@@ -340,6 +340,23 @@ def test_no_claimed_example_count_weighs_more_than_the_servers_bound(data):
     assert strategy.stats.examples_clipped == over
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array(7, dtype=np.int64),  # 0-d
+        np.zeros((0, 3), np.float32),  # empty
+        np.arange(12, dtype=np.float16).reshape(3, 4),
+        np.array([True, False, True]),
+        np.arange(20.0).reshape(4, 5).T,  # not C-ordered: written C-ordered
+    ],
+)
+def test_arrays_we_write_hold_what_np_save_writes(value):
+    buffer = io.BytesIO()
+    np.save(buffer, value.copy(order="C"), allow_pickle=False)
+    assert numpy_to_array(value).data == buffer.getvalue()
+    assert np.array_equal(array_to_numpy(numpy_to_array(value)), value)
+
+
 def test_a_fortran_ordered_npy_from_another_writer_decodes_to_the_same_values():
     value = np.arange(12, dtype=np.float32).reshape(3, 4)
     buffer = io.BytesIO()
