@@ -3,12 +3,16 @@
 Before a comparison can show anything, the quantity the algorithm improves must have room
 on the task. Two measurements, both on plain FedAvg:
 
-``sync DIR [DIR ...]`` (GIFT, PAS): reads finished runs (run or sweep directories) and,
-per setting (task, partition, lr, clients, links), prints each arm's accuracy at virtual
-times up to the budget (the smallest budget among the setting's runs), at equal rounds
-and at equal local steps, mean ± std and min–max over seeds. Headroom = the best fixed
-period's accuracy minus FedAvg's at the longest period, at equal virtual time: the most a
-period-tuning algorithm can win there.
+``sync [--link MBPS] [--times T,T,...] DIR [DIR ...]`` (GIFT, PAS): reads finished runs
+(run or sweep directories) and, per setting (task, partition, lr, clients, links), prints
+each arm's accuracy at virtual times up to the budget (the smallest budget among the
+setting's runs, or the shortest run), at equal rounds and at equal local steps, mean ± std
+and min–max over seeds. Headroom = the best fixed period's accuracy minus FedAvg's at the
+longest period, at equal virtual time: the most a period-tuning algorithm can win there.
+``--link MBPS`` re-times the fixed-period FedAvg runs as if every link ran at MBPS each way
+(other arms are left out): FedAvg's model trajectory per round does not depend on the
+clock, and on identical devices in a sync round only the transfer time changes, so this is
+exact (checked: a run on 0.2 Mbit/s repeats a 0.05 Mbit/s run's accuracies round by round).
 
 ``stable OVERRIDE ...`` (APF, FedSU): runs FedAvg with the given overrides (a preset, say
 ``experiment=fedsu``), keeps every round's global model and replays on it the two
@@ -19,6 +23,8 @@ scalars each test calls stable, averaged over the rounds: the payload an ideal f
 speculator) acting on that test each round could skip, judged on FedAvg's trajectory.
 
     .venv/bin/python experiments/headroom_sync.py sync experiments/out/headroom_sync/*
+    .venv/bin/python experiments/headroom_sync.py sync --link 0.2 --times 150,300 \
+        experiments/out/headroom_sync/
     .venv/bin/python experiments/headroom_sync.py stable experiment=fedsu \
         output_dir=/tmp/headroom overwrite=true
 """
@@ -51,7 +57,50 @@ TIMES = (300, 600, 1000)  # virtual seconds, besides the budget, where sync tabl
 # --- sync: fixed periods at equal virtual time, rounds and local steps -------------------
 
 
-def _runs(paths: Sequence[Path]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+Runs = list[tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
+def _retimed(cfg: dict[str, Any], rows: list[dict[str, Any]], mbps: float) -> list[dict[str, Any]]:
+    """`rows` with round and virtual times as if every link ran at `mbps` each way.
+
+    Exact for fixed-period FedAvg with every client per round on identical devices and
+    links and no shared server link: a round is the same compute plus one download and one
+    upload of the same bytes, and nothing the model does depends on the clock."""
+    system = cfg["system"]
+    if (
+        cfg["strategy"]["name"] != "fedavg"
+        or system["speed_spread"] != 1.0
+        or system["bandwidth_spread"] != 1.0
+        or system["server_bandwidth_mbps"] is not None
+        or cfg["clients_per_round"] != cfg["num_clients"]
+    ):
+        raise ValueError("re-timing is exact only for FedAvg, full participation, identical links")
+
+    def transfer(row: dict[str, Any], up: float, down: float) -> float:
+        per_client = 8e-6 / row["clients"]
+        return per_client * (row["bytes_up"] / up + row["bytes_down"] / down)
+
+    clock, out = 0.0, []
+    for row in rows:
+        old = transfer(row, system["up_mbps"], system["down_mbps"])
+        seconds = row["round_time_s"] - old + transfer(row, mbps, mbps)
+        clock += seconds
+        out.append({**row, "round_time_s": seconds, "virtual_time_s": clock})
+    return out
+
+
+def _relinked(runs: Runs, mbps: float) -> Runs:
+    """The fixed-period FedAvg runs of `runs`, re-timed for `mbps` links, with that link in
+    their config (so the setting names it) and their budget kept in virtual seconds."""
+    out = []
+    for cfg, rows in runs:
+        if cfg["strategy"]["name"] == "fedavg":
+            system = {**cfg["system"], "up_mbps": mbps, "down_mbps": mbps}
+            out.append(({**cfg, "system": system}, _retimed(cfg, rows, mbps)))
+    return out
+
+
+def _runs(paths: Sequence[Path]) -> Runs:
     """(config, metrics rows) of every finished run at or under `paths`."""
     found = []
     for path in paths:
@@ -66,7 +115,7 @@ def _runs(paths: Sequence[Path]) -> list[tuple[dict[str, Any], list[dict[str, An
 
 def _setting(cfg: dict[str, Any]) -> str:
     """What the arms of one headroom table share: task, split, lr, clients, links."""
-    part = dict(cfg["partition"])
+    part, system = dict(cfg["partition"]), cfg["system"]
     scheme = part.pop("scheme")
     detail = {
         "dirichlet": f"α={part.get('alpha')}",
@@ -75,7 +124,7 @@ def _setting(cfg: dict[str, Any]) -> str:
     return (
         f"{cfg['task']['name']}, {scheme} {detail.get(scheme, '')}, lr {cfg['lr']}, "
         f"{cfg['num_clients']} clients ({cfg['clients_per_round']}/round), "
-        f"{cfg['system']['name']}"
+        f"{system['name']} {system['up_mbps']:g}/{system['down_mbps']:g} Mbit/s"
     )
 
 
@@ -104,26 +153,23 @@ def _cell(values: Sequence[float | None]) -> str:
     return f"{statistics.mean(vals):.2f} ± {std:.2f}{spread}"
 
 
-Runs = list[tuple[dict[str, Any], list[dict[str, Any]]]]
-
-
 def _in_budget(rows: list[dict[str, Any]], budget: float) -> int:
     """Rounds that ended by the virtual-time budget (a run stops after passing it)."""
     return sum(r["virtual_time_s"] <= budget for r in rows)
 
 
-def _times(budget: float) -> list[float]:
-    return [t for t in TIMES if t < budget] + [budget]
+def _times(budget: float, times: Sequence[float] = TIMES) -> list[float]:
+    return [t for t in times if t < budget] + [budget]
 
 
-def _arm_cells(arm: str, runs: Runs, budget: float, rounds: int, steps: int) -> list[str]:
-    """One table row: accuracy at virtual times up to the budget, at equal rounds, at
-    equal local steps."""
+def _arm_cells(arm: str, runs: Runs, times: Sequence[float], rounds: int, steps: int) -> list[str]:
+    """One table row: accuracy at the virtual `times` (the last is the budget), at equal
+    rounds, at equal local steps."""
     return [
         arm,
         ",".join(str(c["seed"]) for c, _ in runs),
-        *(_cell([_accuracy(r, "virtual_time_s", t) for _, r in runs]) for t in _times(budget)),
-        f"{statistics.mean(_in_budget(r, budget) for _, r in runs):.0f}",
+        *(_cell([_accuracy(r, "virtual_time_s", t) for _, r in runs]) for t in times),
+        f"{statistics.mean(_in_budget(r, times[-1]) for _, r in runs):.0f}",
         _cell([_accuracy(r, "round", rounds) for _, r in runs]),
         _cell([_accuracy(r, "round", steps, c["local_steps"]) for c, r in runs])
         if arm.startswith("FedAvg")
@@ -131,13 +177,13 @@ def _arm_cells(arm: str, runs: Runs, budget: float, rounds: int, steps: int) -> 
     ]
 
 
-def _headroom(fixed: dict[str, Runs], budget: float) -> str:
+def _headroom(fixed: dict[str, Runs], times: Sequence[float]) -> str:
     """Best fixed period minus the longest at each time: per arm the mean paired difference
     over the seeds it shares with the longest period, with their min–max."""
     longest = max(fixed, key=lambda arm: fixed[arm][0][0]["local_steps"])
     reference = {c["seed"]: r for c, r in fixed[longest]}
     parts = []
-    for t in _times(budget):
+    for t in times:
         gaps = {}
         for arm, runs in fixed.items():
             diffs = [
@@ -160,29 +206,52 @@ def _headroom(fixed: dict[str, Runs], budget: float) -> str:
     return f"Headroom (best fixed minus {longest}, paired by seed): " + ", ".join(parts)
 
 
-def sync_table(paths: Sequence[Path]) -> str:
-    """One Markdown table per setting, and its headroom line."""
+def sync_table(
+    paths: Sequence[Path], link: float | None = None, times: Sequence[float] = TIMES
+) -> str:
+    """One Markdown table per setting, and its headroom line; with `link` (Mbit/s), only
+    the fixed-period FedAvg runs, re-timed for that link (`_retimed`). A setting's budget is
+    the smallest of its runs' budgets, or the virtual time of its shortest run if less."""
+    runs = _runs(paths)
+    if link is not None:
+        runs = _relinked(runs, link)
     settings: dict[str, dict[str, Runs]] = defaultdict(lambda: defaultdict(list))
-    for cfg, rows in _runs(paths):
+    for cfg, rows in runs:
         settings[_setting(cfg)][_arm(cfg)].append((cfg, rows))
     out = []
     for setting, arms in settings.items():
-        budget = min(c["time_budget_s"] for runs in arms.values() for c, _ in runs)
+        every_run = [(c, r) for runs in arms.values() for c, r in runs]
+        budget = min(min(c["time_budget_s"], r[-1]["virtual_time_s"]) for c, r in every_run)
         fixed = {a: runs for a, runs in arms.items() if a.startswith("FedAvg")}
         everything = [(c, r) for runs in (fixed or arms).values() for c, r in runs]
         rounds = min(_in_budget(r, budget) for _, r in everything)
         steps = min(c["local_steps"] * _in_budget(r, budget) for c, r in everything)
-        head = ["arm", "seeds", *(f"acc @ {t:g} s" for t in _times(budget)), "rounds in budget"]
+        at = _times(budget, times)
+        head = ["arm", "seeds", *(f"acc @ {t:g} s" for t in at), "rounds in budget"]
         head += [f"acc @ round {rounds}", f"acc @ {steps} local steps"]
         lines = [f"**{setting}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         order = sorted(arms, key=lambda a: (a not in fixed, arms[a][0][0]["local_steps"], a))
         for arm in order:
-            cells = _arm_cells(arm, arms[arm], budget, rounds, steps)
+            cells = _arm_cells(arm, arms[arm], at, rounds, steps)
             lines.append("| " + " | ".join(cells) + " |")
         if fixed:
-            lines += ["", _headroom(fixed, budget)]
+            lines += ["", _headroom(fixed, at)]
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
+
+
+def _sync_args(argv: list[str]) -> tuple[list[Path], float | None, tuple[float, ...]]:
+    """`[--link MBPS] [--times T,T,...] DIR ...` as (directories, link, times)."""
+    paths, link, times = [], None, TIMES
+    args = iter(argv)
+    for arg in args:
+        if arg == "--link":
+            link = float(next(args))
+        elif arg == "--times":
+            times = tuple(float(t) for t in next(args).split(","))
+        else:
+            paths.append(Path(arg))
+    return paths, link, times
 
 
 # --- stable: APF's and FedSU's stable shares along FedAvg's trajectory -------------------
@@ -224,7 +293,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     if argv[0] == "sync":
-        print(sync_table([Path(p) for p in argv[1:]]))
+        print(sync_table(*_sync_args(argv[1:])))
         return 0
     run_recording(argv[1:])
     shares = stable_shares(HISTORY)
