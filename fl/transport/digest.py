@@ -11,6 +11,7 @@ plain SHA-256 of the blob.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +25,7 @@ def _piece(view: memoryview) -> bytes:
     return hashlib.sha256(view).digest()
 
 
-def blob_digest(blob: bytes | bytearray | memoryview) -> str:
+def blob_digest(blob: bytes | bytearray | memoryview | mmap.mmap) -> str:
     """Hex SHA-256 of the concatenated SHA-256 digests of the blob's `PIECE`-byte pieces."""
     with memoryview(blob) as view:
         flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -24,11 +24,10 @@ from typing import Any, Protocol
 from flwr.app import Context
 
 from fl.transport.control import ControlError, peer_uid, receive, send
-from fl.transport.digest import blob_digest
 from fl.transport.nixl_link import Buffer
 from fl.transport.offer import Offer
 from fl.transport.peer import fetch, upload
-from fl.transport.reference import Reference, ReferenceError
+from fl.transport.reference import Reference
 from fl.transport.segments import map_segment
 
 __all__ = ["NODE_CONFIG_KEY", "Link", "Outgoing", "ProcessLink", "SidecarLink", "node_link"]
@@ -66,9 +65,7 @@ class ProcessLink:
     @contextmanager
     def fetch(self, offer: Offer, reference: Reference) -> Iterator[bytearray | memoryview]:
         blob = bytearray(reference.nbytes)
-        fetch(offer, reference, into=blob)
-        if blob_digest(blob) != reference.sha256:
-            raise ReferenceError("blob does not match the reference's SHA-256")
+        fetch(offer, reference, into=blob)  # its SHA-256 checked
         yield blob
 
     @contextmanager

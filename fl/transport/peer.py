@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from fl.transport.digest import blob_digest
 from fl.transport.nixl_link import Buffer, Region, agent
 from fl.transport.offer import Offer
 from fl.transport.reference import ReferenceError
@@ -89,29 +90,36 @@ def fetch(
     channels: Channels | None = None,
 ) -> Buffer:
     """The blob `reference` names, from the offer's peer, in `into` (of exactly its size)
-    or a new bytearray (not yet checksummed)."""
-    ids = {"token": offer.token, "sha256": reference.sha256}
+    or a new bytearray, once it matches the reference's SHA-256 digest."""
     buffer = bytearray(reference.nbytes) if into is None else into
     if len(buffer) != reference.nbytes:
         raise ValueError(f"a buffer of {len(buffer)} B for a blob of {reference.nbytes} B")
     with (channels or Channels())(offer) as channel:
-        if offer.kind == "rdma":
-            region = Region.from_json(_call(channel, "Describe", ids, offer.timeout_s))
-            agent().transfer("READ", buffer, region, offer.timeout_s)
-            return buffer
-        stream = channel.unary_stream(SERVICE + "Fetch")(
-            json.dumps(ids).encode(), timeout=offer.timeout_s
-        )
-        view, received = memoryview(buffer), 0
-        for chunk in stream:
-            if received + len(chunk) > reference.nbytes:
-                stream.cancel()
-                raise ReferenceError(f"peer sent more than the {reference.nbytes} B declared")
-            view[received : received + len(chunk)] = chunk
-            received += len(chunk)
+        _receive(channel, offer, reference, buffer)
+    if blob_digest(buffer) != reference.sha256:
+        raise ReferenceError("blob does not match the reference's SHA-256")
+    return buffer
+
+
+def _receive(channel: grpc.Channel, offer: Offer, reference: BlobId, buffer: Buffer) -> None:
+    """Fill `buffer` with the blob: a NIXL READ (rdma) or the service's gRPC stream."""
+    ids = {"token": offer.token, "sha256": reference.sha256}
+    if offer.kind == "rdma":
+        region = Region.from_json(_call(channel, "Describe", ids, offer.timeout_s))
+        agent().transfer("READ", buffer, region, offer.timeout_s)
+        return
+    stream = channel.unary_stream(SERVICE + "Fetch")(
+        json.dumps(ids).encode(), timeout=offer.timeout_s
+    )
+    view, received = memoryview(buffer), 0
+    for chunk in stream:
+        if received + len(chunk) > reference.nbytes:
+            stream.cancel()
+            raise ReferenceError(f"peer sent more than the {reference.nbytes} B declared")
+        view[received : received + len(chunk)] = chunk
+        received += len(chunk)
     if received != reference.nbytes:
         raise ReferenceError(f"peer sent {received} of {reference.nbytes} declared bytes")
-    return buffer
 
 
 def _chunks(blob: Buffer, size: int) -> Iterator[bytes]:

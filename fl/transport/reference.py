@@ -31,6 +31,8 @@ __all__ = [
     "Packer",
     "Reference",
     "ReferenceError",
+    "blob_sha256",
+    "blob_size",
     "unpack",
 ]
 
@@ -47,6 +49,20 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class ReferenceError(ValueError):
     """A reference record or blob that must not be used."""
+
+
+def blob_size(value: Any, max_bytes: int = MAX_BLOB_BYTES) -> int:
+    """A blob's declared byte count (untrusted), if it is an integer in [0, max_bytes]."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= max_bytes:
+        raise ReferenceError(f"nbytes {value!r} is not in [0, {max_bytes}]")
+    return value
+
+
+def blob_sha256(value: Any) -> str:
+    """A blob's declared digest (untrusted), if it is 64 lowercase hex digits."""
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise ReferenceError("sha256 is not 64 lowercase hex digits")
+    return value
 
 
 @dataclass(frozen=True)
@@ -100,11 +116,8 @@ class Reference:
         for rank in ranks:
             shapes.append(tuple(dims[start : start + rank]))
             start += rank
-        nbytes, sha = record.get("nbytes"), record.get("sha256")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= max_bytes:
-            raise ReferenceError(f"reference nbytes {nbytes!r} is not in [0, {max_bytes}]")
-        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
-            raise ReferenceError("reference sha256 is not 64 lowercase hex digits")
+        nbytes = blob_size(record.get("nbytes"), max_bytes)
+        sha = blob_sha256(record.get("sha256"))
         declared = sum(
             math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)
         )

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import socket
 import stat
@@ -41,17 +40,15 @@ from typing import Any
 from flwr.app import ConfigRecord
 
 from fl.transport.control import ControlError, peer_uid, receive, send
-from fl.transport.digest import blob_digest
 from fl.transport.nixl_link import agent, nixl_available
 from fl.transport.offer import Offer
 from fl.transport.peer import Channels, fetch, upload
-from fl.transport.reference import MAX_BLOB_BYTES, ReferenceError
+from fl.transport.reference import blob_sha256, blob_size
 from fl.transport.segments import Segment, SegmentPool
 
 __all__ = ["Sidecar", "main"]
 
 log = logging.getLogger(__name__)
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 ERROR_CHARS = 500
 
 
@@ -156,9 +153,7 @@ class Sidecar:
             if offer.kind == "rdma":
                 self._register(segment)
             with segment.view(blob.nbytes) as view:
-                fetch(offer, blob, into=view, channels=self.channels)
-                if blob_digest(view) != blob.sha256:
-                    raise ReferenceError("the fetched blob does not match its SHA-256")
+                fetch(offer, blob, into=view, channels=self.channels)  # SHA-256 checked
             readonly = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 send(conn, {"ok": True, "nbytes": blob.nbytes}, readonly)
@@ -169,7 +164,7 @@ class Sidecar:
             self.down.give_back(segment)
 
     def _lease_and_upload(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        nbytes = _size(request.get("nbytes"))
+        nbytes = blob_size(request.get("nbytes"))
         segment = self.up.lease(nbytes)
         try:
             send(conn, {"ok": True, "nbytes": nbytes}, segment.fd)
@@ -202,10 +197,7 @@ class Sidecar:
 
     @staticmethod
     def _blob(request: dict[str, Any]) -> _Blob:
-        sha = request.get("sha256")
-        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
-            raise ControlError("sha256 is not 64 lowercase hex digits")
-        return _Blob(sha, _size(request.get("nbytes")))
+        return _Blob(blob_sha256(request.get("sha256")), blob_size(request.get("nbytes")))
 
     def _register(self, segment: Segment) -> None:
         if not segment.registered:
@@ -215,12 +207,6 @@ class Sidecar:
     def _deregister(self, segment: Segment) -> None:
         if segment.registered:
             agent().deregister(segment.memory)
-
-
-def _size(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BLOB_BYTES:
-        raise ControlError(f"nbytes {value!r} is not in [0, {MAX_BLOB_BYTES}]")
-    return value
 
 
 def _reason(err: Exception) -> str:
