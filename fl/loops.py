@@ -41,7 +41,7 @@ from flwr.serverapp import Grid
 from fl.clock import Job, VirtualClock
 from fl.codec import Traffic, payload_traffic
 from fl.errors import RunError
-from fl.population import NodeIds, partitions_of
+from fl.population import NodeIds
 from fl.records import record_of
 from fl.roundrobin import RoundRobin
 from fl.strategy import ReplyInfo, UploadParts
@@ -235,7 +235,9 @@ class RoundDriver:
         groups none of whose members is in flight. Vectorised: `nodes` may be millions."""
         if self.settings.kind != "groups":
             return nodes.without(self.flights)
-        groups = partitions_of(self.partitions, nodes) % self.settings.groups
+        if nodes.partitions is None:  # (the loop's candidates, from the population, carry them)
+            raise ValueError("loop=groups needs candidates that carry their partitions")
+        groups = nodes.partitions % self.settings.groups
         busy = {self._group(n) for n in self.flights}
         free = ~np.isin(groups, list(busy))
         if self.schedule is not None:

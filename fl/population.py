@@ -19,7 +19,6 @@ __all__ = [
     "as_node_ids",
     "member",
     "nodes_by_partition",
-    "partitions_of",
 ]
 
 
@@ -125,26 +124,6 @@ class PartitionMap(Mapping[int, int]):
 
     def __len__(self) -> int:
         return len(self._nodes)
-
-    def lookup(self, nodes: np.ndarray) -> np.ndarray:
-        """The partition of each node id in `nodes` (uint64), by one vectorised search."""
-        i = np.searchsorted(self._nodes, nodes)
-        found = i < len(self._nodes)
-        found[found] = self._nodes[i[found]] == nodes[found]
-        if not found.all():
-            raise KeyError(int(nodes[~found][0]))
-        return self._partitions[i]
-
-
-def partitions_of(partitions: Mapping[int, int], nodes: NodeIds) -> np.ndarray:
-    """The partition of each of `nodes`: carried by the loop's candidates, else looked up,
-    vectorised in a PartitionMap (an in-process population) or one by one in a deployment's
-    dict (a few nodes)."""
-    if nodes.partitions is not None:
-        return nodes.partitions
-    if isinstance(partitions, PartitionMap):
-        return partitions.lookup(nodes.ids)
-    return np.fromiter((partitions[n] for n in nodes), dtype=np.int64, count=len(nodes))
 
 
 def nodes_by_partition(partitions: Mapping[int, int], num_partitions: int) -> NodeIds:

@@ -35,7 +35,9 @@ def _driver(groups: int, per_group: int, link: float, speed: float) -> RoundDriv
 
 def _idle(driver: RoundDriver) -> list[int]:
     """The nodes the loop may ask now, of all the driver's nodes."""
-    return list(driver.idle(NodeIds(np.array(sorted(driver.partitions)))))
+    nodes = sorted(driver.partitions)
+    partitions = np.array([driver.partitions[n] for n in nodes])
+    return list(driver.idle(NodeIds(np.array(nodes), partitions)))
 
 
 def _dispatch(driver: RoundDriver, down: int, samples: int, up: int) -> list[int]:

@@ -22,7 +22,7 @@ from fl.data import SyntheticDevices
 from fl.engines.local import LocalGrid
 from fl.engines.node_states import NodeStates
 from fl.loops import LoopSettings, RoundDriver
-from fl.population import NodeIds, PartitionMap, member, partitions_of
+from fl.population import NodeIds, PartitionMap, member
 from fl.task import get_task
 from server.checkpoint import load_checkpoint, save_checkpoint
 
@@ -71,15 +71,9 @@ def test_partition_map_holds_a_population_as_arrays():
     assert 25 not in nodes and 2**70 not in nodes and nodes.get(99) is None
     with pytest.raises(ValueError, match="several partitions"):
         PartitionMap(np.array([5, 5]))
-    asked = np.array([30, 40, 20], dtype=np.uint64)
-    assert nodes.lookup(asked).tolist() == [2, 0, 3]
-    assert (
-        partitions_of(nodes, NodeIds(asked)).tolist()
-        == partitions_of(dict(nodes), NodeIds(asked)).tolist()
-    )
-    with pytest.raises(KeyError, match="25"):
-        nodes.lookup(np.array([10, 25], dtype=np.uint64))
+    assert nodes.by_partition.partitions.tolist() == [0, 1, 2, 3]
     assert list(nodes.by_partition.without({10, 30, 7})) == [40, 20]
+    assert nodes.by_partition.without({10, 30, 7}).partitions.tolist() == [0, 3]
     values = np.array([1, 5, 9, 2**64 - 1], dtype=np.uint64)
     assert member(values, np.array([9, 1, 2**64 - 1], dtype=np.uint64)).tolist() == [
         True, False, True, True
