@@ -60,14 +60,13 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     if not any(float(faults.get(kind, 0.0)) for kind in KINDS):  # no client fails: none drawn
         return attack_mod(msg, context, call_next)
     cfg = from_run_config(context.run_config)
-    faults = cfg.faults
     server_round = int(required_record(msg.content, "config", ConfigRecord)["server-round"])  # type: ignore[arg-type]
     partition = int(context.node_config["partition-id"])
-    kind = draw_fault(cfg.seed, server_round, partition, dict(faults))
+    kind = draw_fault(cfg.seed, server_round, partition, faults)
     if kind == "crash":
         raise InjectedCrash(f"injected crash (round {server_round}, partition {partition})")
     if kind == "dropout" or (kind == "hang" and cfg.engine.name == "local"):
         raise NoReply(kind)
     if kind == "hang":
-        time.sleep(float(faults.hang_s))
+        time.sleep(float(faults["hang_s"]))
     return attack_mod(msg, context, call_next)
