@@ -15,7 +15,7 @@ import forkrun
 import pytest
 from conftest import python_popen
 
-from privacy.dpbalance import DPBalance, Grant, Pipeline
+from privacy.dpbalance import FCFS, DPBalance, Grant, Pipeline
 from privacy.ledger import BudgetExceeded, Ledger, LedgerError
 
 
@@ -104,12 +104,17 @@ def test_concurrent_submitters_in_separate_processes_never_overspend(tmp_path):
         assert ledger.check() == []
         (submitted,) = ledger.db.execute("SELECT COUNT(*) FROM pipelines").fetchone()
         assert submitted == 120  # no write was lost
-        blocks = ledger.blocks()
-        # 120 pipelines x 0.2 demand against 4 blocks of 1.0: budgets run out, never over
-        assert all(allocated <= budget + 1e-9 for budget, allocated in blocks.values())
-        assert sum(allocated for _, allocated in blocks.values()) > 3.5
         (grants,) = ledger.db.execute("SELECT COUNT(DISTINCT pipeline) FROM allocations").fetchone()
-    assert grants == sum(int(out) for out, _ in outputs)  # every grant a worker saw is recorded
+        assert grants == sum(int(out) for out, _ in outputs)  # every grant a worker saw is recorded
+        # 120 pipelines x 0.2 demand against 4 blocks of 1.0: budgets run out, never over.
+        # How far they run out depends on the interleaving; that nothing left fits does not.
+        ledger.schedule(FCFS(), now=99.0)
+        blocks = ledger.blocks()
+        assert all(allocated <= budget + 1e-9 for budget, allocated in blocks.values())
+        left = {b: budget - allocated for b, (budget, allocated) in blocks.items()}
+        waiting = ledger.problem(now=99.0).pipelines
+        assert waiting, "120 x 0.2 > 4 blocks of 1.0: some pipelines must still wait"
+        assert all(any(e > left[b] + 1e-9 for b, e in p.demand.items()) for p in waiting)
 
 
 HOLDER = """
