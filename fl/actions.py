@@ -194,7 +194,7 @@ class PeriodGroups:
         if self.rollback is not None:
             self.rollback()
         if step in self.boundaries:  # freeze this group at its current values from now on
-            current = self.layout.flatten(model.state_dict())
+            current = self.layout.read(model)
             self.rollback = Rollback(model, self.layout, self.periods > step, current)
 
 

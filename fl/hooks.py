@@ -101,4 +101,4 @@ class ClientHooks:
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
         """Encode the reply payload and add strategy metrics."""
-        return encode_dense(layout.flatten(model.state_dict()), layout), {}
+        return encode_dense(layout.read(model), layout), {}

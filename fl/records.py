@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -47,6 +48,7 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
 }
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: nothing that needs parsing
 AnyRecord = TypeVar("AnyRecord", ArrayRecord, ConfigRecord, MetricRecord)
+_ALIGN = 16  # float32 scalars in 64 bytes: where torch's allocator starts every tensor
 
 
 def record_of(content: RecordDict, key: str, kind: type[AnyRecord]) -> AnyRecord | None:
@@ -114,10 +116,55 @@ class Layout:
 
     def load_into(self, model: nn.Module, vector: torch.Tensor) -> None:
         """Copy `vector` into the model's parameters and buffers in place."""
-        state = model.state_dict()
+        if vector.numel() != self.numel:
+            raise ValueError(f"vector has {vector.numel()} scalars, layout expects {self.numel}")
+        bound = _bound(model)
         with torch.no_grad():
+            if bound is not None:
+                bound.write(vector)
+                return
+            state = model.state_dict()
             for name, part in zip(self.names, torch.split(vector, list(self.sizes)), strict=True):
                 state[name].copy_(part.view(state[name].shape))
+
+    def read(self, model: nn.Module) -> torch.Tensor:
+        """The model's parameters and buffers as one new float32 CPU vector (`flatten`)."""
+        bound = _bound(model)
+        if bound is None:
+            return self.flatten(model.state_dict())
+        return bound.read()
+
+    def bind(self, model: nn.Module) -> None:
+        """Keep the model's tensors as views of one float32 buffer, in layout order.
+
+        Then `load_into` and `read` move the whole model in one operation instead of one
+        per tensor, which for small models costs more than the copying. Each tensor starts
+        64-byte aligned, as torch would allocate it, so kernels and results do not change.
+        Models with other dtypes, several devices or shared tensors are left as they are.
+        """
+        state = model.state_dict(keep_vars=True)  # the Parameter and buffer objects
+        self.check(state)
+        tensors = tuple(state[name] for name in self.names)
+        devices = {t.device for t in tensors}
+        if set(self.dtypes) != {torch.float32} or len(devices) != 1:
+            return
+        if len({id(t) for t in tensors}) != len(tensors):
+            return
+        starts = [0]
+        for size in self.sizes:
+            starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+        storage = torch.zeros(starts[-1], dtype=torch.float32, device=devices.pop())
+        with torch.no_grad():
+            for tensor, start, size in zip(tensors, starts, self.sizes, strict=False):
+                view = storage[start : start + size].view(tensor.shape)
+                view.copy_(tensor)
+                tensor.data = view
+        index = None
+        if starts[-1] != self.numel:
+            spans = [torch.arange(a, a + n) for a, n in zip(starts, self.sizes, strict=False)]
+            index = torch.cat(spans).to(storage.device)
+        pointers = tuple(t.data_ptr() for t in tensors)
+        _BINDINGS[model] = _Binding(storage, tensors, pointers, index)
 
     @cached_property
     def _name_set(self) -> frozenset[str]:
@@ -132,6 +179,40 @@ class Layout:
         for name, shape in zip(self.names, self.shapes, strict=True):
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """A model whose parameters and buffers are views of `storage` (`Layout.bind`)."""
+
+    storage: torch.Tensor
+    tensors: tuple[torch.Tensor, ...]  # the model's own tensor objects, layout order
+    pointers: tuple[int, ...]  # where each lives in `storage`
+    index: torch.Tensor | None  # where the layout's scalars sit in `storage`, if padded
+
+    def intact(self) -> bool:
+        """Whether every tensor still lives in `storage` (`.to()` or `.data =` move them)."""
+        return all(t.data_ptr() == p for t, p in zip(self.tensors, self.pointers, strict=True))
+
+    def write(self, vector: torch.Tensor) -> None:
+        if self.index is None:
+            self.storage.copy_(vector)
+        else:
+            self.storage.index_copy_(0, self.index, vector.to(self.storage))
+
+    def read(self) -> torch.Tensor:
+        if self.index is None:
+            return self.storage.to("cpu", copy=True)
+        return self.storage.index_select(0, self.index).cpu()
+
+
+_BINDINGS: weakref.WeakKeyDictionary[nn.Module, _Binding] = weakref.WeakKeyDictionary()
+
+
+def _bound(model: nn.Module) -> _Binding | None:
+    """The model's binding while all its tensors still live in it, else None."""
+    binding = _BINDINGS.get(model)
+    return binding if binding is not None and binding.intact() else None
 
 
 @lru_cache(maxsize=1024)

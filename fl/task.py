@@ -106,6 +106,7 @@ class Task:
         """This thread's reusable model instance (its weights are overwritten per client)."""
         if not hasattr(self._local, "model"):
             self._local.model = self.new_model()
+            self.layout.bind(self._local.model)  # load and read it in one copy each
         model: nn.Module = self._local.model
         return model
 

@@ -199,7 +199,7 @@ class APFHooks(ClientHooks):
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        vector = layout.flatten(model.state_dict())
+        vector = layout.read(model)
         return encode_masked(vector, self.mask, ship_mask=False), {}
 
 

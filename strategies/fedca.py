@@ -347,7 +347,7 @@ class FedCAHooks(ClientHooks):
     ) -> None:
         super().load(model, content, state, layout)
         self.layout = layout
-        self.start = layout.flatten(model.state_dict())
+        self.start = layout.read(model)
 
     def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
         server_round = int(cast(int, config["server-round"]))
@@ -372,12 +372,12 @@ class FedCAHooks(ClientHooks):
     def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> bool:
         self.steps = step
         if self.anchor:
-            update = self.layout.flatten(model.state_dict()) - self.start
+            update = self.layout.read(model) - self.start
             self.recorded.append(torch.cat([update[s] for s in self.samples]))
             return True
         due = [layer for layer, at in enumerate(self.eager_at) if at == step]
         if due:
-            current = torch.split(self.layout.flatten(model.state_dict()), list(self.layout.sizes))
+            current = torch.split(self.layout.read(model), list(self.layout.sizes))
             for layer in due:
                 self.snapshots[layer] = current[layer].clone()
                 self.left_samples[layer] = self.time.samples
@@ -390,7 +390,7 @@ class FedCAHooks(ClientHooks):
         return utility >= 0
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        final = layout.flatten(model.state_dict())
+        final = layout.read(model)
         if self.anchor:
             self._save_profile(state)
             return encode(final, "dense", layout=layout), {"fedca-anchor": 1}

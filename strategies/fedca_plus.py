@@ -129,7 +129,7 @@ class FedCAPlusHooks(FedCAHooks, FedSUHooks):
     params: FedCAPlusParams
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        final = layout.flatten(model.state_dict())
+        final = layout.read(model)
         self.feedback.add(self.spec.speculating, final - self.predicted)
         self.feedback.save(state)
         if self.anchor:  # no eager layers: FedSU's reply, profiled as FedCA's anchor

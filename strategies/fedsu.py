@@ -276,7 +276,7 @@ class FedSUHooks(ClientHooks):
         layout.load_into(model, self.base)
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        local = layout.flatten(model.state_dict())
+        local = layout.read(model)
         speculating = self.spec.speculating
         if self.params.checked:
             self.feedback.add(speculating, local - self.predicted)

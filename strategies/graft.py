@@ -397,7 +397,7 @@ class GraftHooks(ClientHooks):
                 periods = synced["periods"]
                 self.groups = PeriodGroups(layout, periods)
             super().load(model, content, state, layout)
-        self.start = layout.flatten(model.state_dict())
+        self.start = layout.read(model)
 
     def lr(self, step: int, base_lr: float) -> float:
         return base_lr * self.lr_scale
@@ -410,7 +410,7 @@ class GraftHooks(ClientHooks):
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        delta = layout.flatten(model.state_dict()) - self.start
+        delta = layout.read(model) - self.start
         groups = self.groups.periods if self.groups is not None else None
         payload = encode_update(
             delta, layout, bits=self.bits, fraction=self.fraction, mask=self.mask, groups=groups

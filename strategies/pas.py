@@ -207,7 +207,7 @@ class PASHooks(ClientHooks):
         return True
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
-        return encode_grouped(layout.flatten(model.state_dict()), self.periods), {}
+        return encode_grouped(layout.read(model), self.periods), {}
 
 
 STRATEGY = register("pas", server=PASServer, client=PASHooks, params=PASParams)

@@ -32,6 +32,61 @@ def test_layout_names_the_mismatch(state):
         layout.flatten({"w": state["w"], "steps": state["steps"]})
 
 
+def _trained_copies(bind: bool) -> tuple[torch.nn.Module, Layout]:
+    torch.manual_seed(0)  # a conv whose 150 weights leave the next tensor unaligned unpadded
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 6, 5), torch.nn.Flatten(), torch.nn.Linear(6 * 4 * 4, 3)
+    )
+    layout = Layout.of(model.state_dict())
+    if bind:
+        layout.bind(model)
+    x, y = torch.randn(8, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model, layout
+
+
+def test_a_bound_model_trains_bit_for_bit_and_moves_in_one_copy():
+    bound, layout = _trained_copies(bind=True)
+    plain, _ = _trained_copies(bind=False)
+    assert torch.equal(layout.read(bound), layout.flatten(plain.state_dict()))
+    storage = layout.read(bound)  # a copy: training on does not change it
+    for tensor in bound.state_dict().values():
+        assert tensor.data_ptr() % 64 == 0  # aligned as torch allocates, so same kernels
+    new = torch.randn(layout.numel)
+    layout.load_into(bound, new)
+    layout.load_into(plain, new)
+    assert torch.equal(layout.read(bound), new)
+    assert torch.equal(layout.flatten(bound.state_dict()), layout.flatten(plain.state_dict()))
+    assert not torch.equal(storage, new)
+    with pytest.raises(ValueError, match="vector has 3 scalars"):
+        layout.load_into(bound, torch.zeros(3))  # one-copy loading would broadcast it
+
+
+def test_a_model_whose_tensors_moved_falls_back_to_per_tensor_copies():
+    model, layout = _trained_copies(bind=True)
+    model[0].weight.data = model[0].weight.data.clone()  # as .to(device) would do
+    new = torch.randn(layout.numel)
+    layout.load_into(model, new)
+    assert torch.equal(layout.read(model), new)
+    assert torch.equal(model[0].weight.flatten(), new[:150])
+
+
+def test_only_float32_models_are_bound(state):
+    module = torch.nn.Module()
+    for name, tensor in state.items():
+        module.register_buffer(name, tensor.clone())
+    layout = Layout.of(module.state_dict())
+    layout.bind(module)  # an int64 buffer: left as it is
+    assert module.steps.dtype == torch.int64
+    vector = torch.arange(16, dtype=torch.float32)
+    layout.load_into(module, vector)
+    assert torch.equal(layout.read(module), vector) and int(module.steps) == 15
+
+
 def test_dense_codec_counts_true_dtype_sizes(state):
     layout = Layout.of(state)
     content = RecordDict(encode_dense(layout.flatten(state), layout))
