@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -164,7 +164,7 @@ class Layout:
             spans = [torch.arange(a, a + n) for a, n in zip(starts, self.sizes, strict=False)]
             index = torch.cat(spans).to(storage.device)
         pointers = tuple(t.data_ptr() for t in tensors)
-        _BINDINGS[model] = _Binding(storage, tensors, pointers, index)
+        _BINDINGS[model] = _Binding(storage, tensors, pointers, index, _slots(model, self.names))
 
     @cached_property
     def _name_set(self) -> frozenset[str]:
@@ -189,9 +189,14 @@ class _Binding:
     tensors: tuple[torch.Tensor, ...]  # the model's own tensor objects, layout order
     pointers: tuple[int, ...]  # where each lives in `storage`
     index: torch.Tensor | None  # where the layout's scalars sit in `storage`, if padded
+    slots: tuple[tuple[dict[str, Any], str, object], ...]  # (holder, key, what it held)
 
     def intact(self) -> bool:
-        """Whether every tensor still lives in `storage` (`.to()` or `.data =` move them)."""
+        """Whether the model still holds these tensors and they still live in `storage`:
+        `.to()` and `.data =` move a tensor; assigning a new submodule or parameter
+        replaces one. A dict lookup and a pointer per tensor and module."""
+        if any(holder.get(key) is not held for holder, key, held in self.slots):
+            return False
         return all(t.data_ptr() == p for t, p in zip(self.tensors, self.pointers, strict=True))
 
     def write(self, vector: torch.Tensor) -> None:
@@ -204,6 +209,23 @@ class _Binding:
         if self.index is None:
             return self.storage.to("cpu", copy=True)
         return self.storage.index_select(0, self.index).cpu()
+
+
+def _slots(
+    model: nn.Module, names: tuple[str, ...]
+) -> tuple[tuple[dict[str, Any], str, object], ...]:
+    """Where the model holds each submodule and tensor of a state_dict's `names`."""
+    slots: dict[tuple[int, str], tuple[dict[str, Any], str, object]] = {}
+    for name in names:
+        module, *path = model, *name.split(".")
+        for key in path[:-1]:
+            child = module._modules[key]
+            slots[(id(module._modules), key)] = (module._modules, key, child)
+            module = child
+        leaf = path[-1]
+        holder = module._parameters if leaf in module._parameters else module._buffers
+        slots[(id(holder), leaf)] = (holder, leaf, holder[leaf])
+    return tuple(slots.values())
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, _Binding] = weakref.WeakKeyDictionary()

@@ -66,13 +66,23 @@ def test_a_bound_model_trains_bit_for_bit_and_moves_in_one_copy():
         layout.load_into(bound, torch.zeros(3))  # one-copy loading would broadcast it
 
 
-def test_a_model_whose_tensors_moved_falls_back_to_per_tensor_copies():
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m[0].weight, "data", m[0].weight.data.clone()),  # as .to() does
+        lambda m: setattr(m[0], "weight", torch.nn.Parameter(m[0].weight.clone())),
+        lambda m: m.__setitem__(2, torch.nn.Linear(6 * 4 * 4, 3)),
+    ],
+    ids=["moved", "new-parameter", "new-submodule"],
+)
+def test_a_model_whose_tensors_changed_falls_back_to_per_tensor_copies(change):
     model, layout = _trained_copies(bind=True)
-    model[0].weight.data = model[0].weight.data.clone()  # as .to(device) would do
+    change(model)
     new = torch.randn(layout.numel)
     layout.load_into(model, new)
     assert torch.equal(layout.read(model), new)
-    assert torch.equal(model[0].weight.flatten(), new[:150])
+    assert torch.equal(layout.flatten(model.state_dict()), new)
+    assert torch.equal(model[2].bias, new[-3:])
 
 
 def test_only_float32_models_are_bound(state):
