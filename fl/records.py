@@ -217,12 +217,13 @@ def _slots(
     """Where the model holds each submodule and tensor of a state_dict's `names`."""
     slots: dict[tuple[int, str], tuple[dict[str, Any], str, object]] = {}
     for name in names:
-        module, *path = model, *name.split(".")
-        for key in path[:-1]:
+        *path, leaf = name.split(".")
+        module = model
+        for key in path:
             child = module._modules[key]
+            assert child is not None  # a state_dict name runs through real submodules
             slots[(id(module._modules), key)] = (module._modules, key, child)
             module = child
-        leaf = path[-1]
         holder = module._parameters if leaf in module._parameters else module._buffers
         slots[(id(holder), leaf)] = (holder, leaf, holder[leaf])
     return tuple(slots.values())
