@@ -46,9 +46,11 @@ from apf_stability_probe import HISTORY, report
 from apf_stability_probe import main as run_recording
 
 from fl.diagnosis import OscillationRatio, SteppingRate
+from fl.speculation import LinearityTest, Speculation, error_feedback
 
 APF_THRESHOLD = 0.05  # T_s, APF's default (S-APF-J §VII-A)
 FEDSU_THRESHOLD = 0.01  # T_R, FedSU's default (§VI-A)
+FEDSU_ERROR_THRESHOLD = 1.0  # T_S, FedSU's default (§VI-A)
 EMA = 0.99  # APF's α and the spec's FedSU θ
 MILESTONES = (10, 50, 100, 300, 1000)
 TIMES = (300, 600, 1000)  # virtual seconds, besides the budget, where sync tables look
@@ -259,7 +261,8 @@ def _sync_args(argv: list[str]) -> tuple[list[Path], float | None, tuple[float, 
 
 def stable_shares(history: Sequence[torch.Tensor]) -> dict[str, list[float]]:
     """Per round (from the second on), the share of scalars that APF's test (P < T_s) and
-    FedSU's (R < T_R) call stable, each test fed every scalar's global round update."""
+    FedSU's (R < T_R) call stable, each test fed every scalar's global round update, and
+    the share FedSU's whole law would keep speculated (`speculated_shares`)."""
     numel = history[0].numel()
     everywhere = torch.ones(numel, dtype=torch.bool)
     apf, fedsu = SteppingRate.fresh(numel, EMA), OscillationRatio.fresh(numel, EMA)
@@ -270,6 +273,32 @@ def stable_shares(history: Sequence[torch.Tensor]) -> dict[str, list[float]]:
         r = fedsu.test.update(delta, everywhere)
         shares["apf"].append(float((p < APF_THRESHOLD).float().mean()))
         shares["fedsu"].append(float((r < FEDSU_THRESHOLD).float().mean()))
+    return shares | {"fedsu_law": speculated_shares(history)}
+
+
+def speculated_shares(history: Sequence[torch.Tensor]) -> list[float]:
+    """Per round, the share of scalars FedSU's law keeps speculated along FedAvg's path.
+
+    The strategy's own pieces (`fl.speculation`): a regular scalar enters when R < T_R,
+    with its last round update as slope; at the checks after 1, 2, 3, ... rounds its phase
+    error is what FedAvg's clients would report had it been speculated, FedAvg's value now
+    minus the speculated one (full participation), and it leaves when that reaches T_S
+    slopes. So R's stable share is narrowed to the scalars whose path a line predicts.
+    """
+    spec = Speculation.fresh(history[0])
+    linearity = LinearityTest.fresh(history[0].numel(), EMA)
+    shares = []
+    for tick, (before, after) in enumerate(itertools.pairwise(history)):
+        error = torch.where(spec.speculating, after - spec.values(tick + 1), 0.0)
+        _, leave = error_feedback(spec, tick, error, FEDSU_ERROR_THRESHOLD)
+        spec.stop(leave, after)
+        linearity.reset(leave, spec.slope)
+        update = after - before
+        regular = ~spec.speculating
+        enter = regular & (linearity.update(update, regular) < FEDSU_THRESHOLD)
+        spec.track(after)
+        spec.start(enter, after, update, tick + 1)
+        shares.append(float(spec.speculating.float().mean()))
     return shares
 
 
@@ -279,7 +308,11 @@ def stable_table(shares: dict[str, list[float]], window: dict[str, float]) -> st
     marks = [m for m in MILESTONES if m <= n] + ([n] if n not in MILESTONES else [])
     head = ["test", *[f"round {m + 1}" for m in marks], f"mean over rounds 2–{n + 1}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    names = {"apf": f"APF: P < {APF_THRESHOLD}", "fedsu": f"FedSU: R < {FEDSU_THRESHOLD}"}
+    names = {
+        "apf": f"APF: P < {APF_THRESHOLD}",
+        "fedsu": f"FedSU: R < {FEDSU_THRESHOLD}",
+        "fedsu_law": f"FedSU's law (R < {FEDSU_THRESHOLD} in, S ≥ {FEDSU_ERROR_THRESHOLD} out)",
+    }
     for key, series in shares.items():
         cells = [f"{series[m - 1]:.3f}" for m in marks] + [f"**{statistics.mean(series):.3f}**"]
         lines.append("| " + " | ".join([names[key], *cells]) + " |")

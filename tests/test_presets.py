@@ -44,6 +44,7 @@ SLOW = {
     "fedca": "6 arms, 8 s",
     "r2sp": "6 arms, 7 s",
     "sync_tuning_headroom": "3 arms, 6 s (sync_tuning's mechanic, checked by default)",
+    "fedsu_headroom": "3 arms, 5 s (fedsu's mechanic, checked by default)",
 }
 
 
@@ -264,6 +265,15 @@ def _fedsu_speculates(arms: list[Arm]) -> None:
     assert all(0 <= f <= 1 for f in named["apf"].column("frozen_fraction"))
 
 
+def _fedsu_speculates_slowly(arms: list[Arm]) -> None:
+    """At the headroom preset's lr, FedSU still speculates and checks; APF freezes."""
+    named = _by_strategy(arms)
+    assert {arm.get("lr") for arm in arms} == {0.001}
+    assert sum(named["fedsu"].column("speculation_checked")) > 0
+    assert all(0 <= f <= 1 for f in named["apf"].column("frozen_fraction"))
+    assert "speculation_checked" not in named["fedavg"].rows[0]
+
+
 def _fedca_stops(arms: list[Arm]) -> None:
     """FedCA's round 1 profiles (every reply an anchor); later rounds report one stop step
     per reply, within 1..K."""
@@ -396,6 +406,7 @@ MECHANICS: dict[str, Callable[[list[Arm]], None]] = {
     "sync_tuning": _sync_tuned,
     "sync_tuning_headroom": _sync_tuned,
     "fedsu": _fedsu_speculates,
+    "fedsu_headroom": _fedsu_speculates_slowly,
     "fedca": _fedca_stops,
     "asfl": _semi_async_quota,
     "r2sp": _r2sp_schedule,
