@@ -5,11 +5,16 @@ the share of scalars each arm leaves unsynchronised (FedSU's speculated, APF's f
 compares arms stopped early (each resumes from its checkpoint with `resume=true`).
 
     .venv/bin/python experiments/fedsu_compare.py experiments/out/fedsu/<timestamp> [target]
+
+With several sweeps that differ only in the seed (`--seeds DIR DIR ... [target]`), it prints
+each arm's figures as mean ± sample std over them, traffic as ratios to FedAvg's of the
+same seed (per-seed values in brackets).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,11 +69,65 @@ def table(arms: dict[str, list[dict[str, Any]]], target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _arms(sweep: Path) -> dict[str, list[dict[str, Any]]]:
+    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return dict(_arm(job) for job in jobs)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if any(v != v for v in values):  # NaN: not reached in some seed
+        return "not reached in " + str(sum(v != v for v in values)) + " seed(s)"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    each = " / ".join(format(v, fmt) for v in values)
+    return f"{statistics.mean(values):{fmt}} ± {std:{fmt}} ({each})"
+
+
+def seeds_table(sweeps: list[Path], target: float) -> str:
+    """Markdown: per arm, mean ± std over the sweeps (seeds) of its figures at the last
+    round every arm of every seed reached; traffic relative to FedAvg of the same seed."""
+    runs = [_arms(sweep) for sweep in sweeps]
+    last = min(len(rows) for arms in runs for rows in arms.values())
+    head = ["arm", "final acc", "payload vs FedAvg", "as sent vs FedAvg"]
+    head += [f"payload to {target} vs FedAvg", "mean unsynced share"]
+    lines = [f"At round {last}, {len(runs)} seeds:", "", "| " + " | ".join(head) + " |"]
+    lines.append("|" + "---|" * len(head))
+    for name in runs[0]:
+        acc, payload, sent, to_target, unsynced = [], [], [], [], []
+        for arms in runs:
+            rows, ref = arms[name][:last], arms["fedavg"][:last]
+            acc.append(rows[-1]["accuracy"])
+            payload.append(_traffic(rows[-1], "payload_") / _traffic(ref[-1], "payload_"))
+            sent.append(_traffic(rows[-1]) / _traffic(ref[-1]))
+            hit = next((r for r in rows if r["accuracy"] >= target), None)
+            ref_hit = next((r for r in ref if r["accuracy"] >= target), None)
+            to_target.append(
+                _traffic(hit, "payload_") / _traffic(ref_hit, "payload_")
+                if hit and ref_hit
+                else float("nan")
+            )
+            shares = [v for r in rows if (v := _unsynced(r)) is not None]
+            unsynced.append(statistics.mean(shares) if shares else 0.0)
+        cells = [
+            name,
+            _spread(acc, ".4f"),
+            _spread(payload, ".3f"),
+            _spread(sent, ".3f"),
+            _spread(to_target, ".3f"),
+            _spread(unsynced, ".3f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--seeds":
+        numbers = [a for a in argv[1:] if not Path(a).is_dir()]
+        sweeps = [Path(a) for a in argv[1:] if Path(a).is_dir()]
+        print(seeds_table(sweeps, float(numbers[0]) if numbers else 0.95))
+        return 0
     sweep = Path(argv[0])
     target = float(argv[1]) if len(argv) > 1 else 0.95
-    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    arms = dict(_arm(job) for job in jobs)
+    arms = _arms(sweep)
     text = table(arms, target)
     (sweep / "comparison_at_common_round.md").write_text(text)
     unsynced = {
