@@ -18,9 +18,11 @@ exact (checked: a run on 0.2 Mbit/s repeats a 0.05 Mbit/s run's accuracies round
 ``experiment=fedsu``), keeps every round's global model and replays on it the two
 stability tests with the strategies' own code (`fl.diagnosis`): APF's effective
 perturbation P = |EMA(Δ)| / EMA(|Δ|) (α 0.99) below T_s = 0.05, and FedSU's oscillation
-ratio R of the second differences (θ 0.99) below T_R = 0.01. Headroom = the share of
-scalars each test calls stable, averaged over the rounds: the payload an ideal freezer (or
-speculator) acting on that test each round could skip, judged on FedAvg's trajectory.
+ratio R of the second differences (θ 0.99) below T_R = 0.01, and FedSU's whole law (R in,
+error checks with T_S = 1 out; `speculated_shares`), which R alone overstates: R passes a
+random walk as often as a line. Headroom = the share of scalars each test calls stable (or
+the law keeps speculated), averaged over the rounds: the payload an ideal freezer (or
+speculator) could skip, judged on FedAvg's trajectory.
 
     .venv/bin/python experiments/headroom_sync.py sync experiments/out/headroom_sync/*
     .venv/bin/python experiments/headroom_sync.py sync --link 0.2 --times 150,300 \
