@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from asfl_table import _cell
 
 from fl.plots import plot_diagnostic
 
@@ -74,12 +75,14 @@ def _arms(sweep: Path) -> dict[str, list[dict[str, Any]]]:
     return dict(_arm(job) for job in jobs)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    if any(v != v for v in values):  # NaN: not reached in some seed
-        return "not reached in " + str(sum(v != v for v in values)) + " seed(s)"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    each = " / ".join(format(v, fmt) for v in values)
-    return f"{statistics.mean(values):{fmt}} ± {std:{fmt}} ({each})"
+def _spread(values: list[float], digits: int) -> str:
+    """Mean ± sample std (`asfl_table._cell`), then each seed's value."""
+    cell = _cell(values, digits)
+    return (
+        cell
+        if cell.startswith("not")
+        else f"{cell} ({' / '.join(f'{v:.{digits}f}' for v in values)})"
+    )
 
 
 def seeds_table(sweeps: list[Path], target: float) -> str:
@@ -109,11 +112,11 @@ def seeds_table(sweeps: list[Path], target: float) -> str:
             unsynced.append(statistics.mean(shares) if shares else 0.0)
         cells = [
             name,
-            _spread(acc, ".4f"),
-            _spread(payload, ".3f"),
-            _spread(sent, ".3f"),
-            _spread(to_target, ".3f"),
-            _spread(unsynced, ".3f"),
+            _spread(acc, 4),
+            _spread(payload, 3),
+            _spread(sent, 3),
+            _spread(to_target, 3),
+            _spread(unsynced, 3),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
