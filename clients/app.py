@@ -26,7 +26,7 @@ from fl.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
 from fl.contract import mismatch_reply
 from fl.faults import fault_mod
 from fl.hooks import ClientHooks, ClientTime
-from fl.records import required_record
+from fl.records import new_record, required_record
 from fl.registry import StrategySpec, get_strategy
 from fl.seeding import derive_seed, pin_torch_threads
 from fl.task import Task, get_task
@@ -172,7 +172,8 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     prepared = Round(setup, config, model, hooks, settings, partition, data)
     result, own_metrics = trainer(prepared, context)
     records, extra = hooks.end(model, context.state, layout)
-    metrics = MetricRecord(
+    metrics = new_record(
+        MetricRecord,
         {
             "num-examples": len(data[1]),
             "train-loss": result.mean_loss,
@@ -181,9 +182,9 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
             "partition-id": partition,
             **extra,
             **own_metrics(),
-        }
+        },
     )
-    return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
+    return Message(new_record(RecordDict, {**records, "metrics": metrics}), reply_to=msg)
 
 
 def train_in_process(

@@ -97,9 +97,12 @@ def train_locally(
     model.train()
     steps, samples, loss_sum = 0, 0, torch.zeros((), device=x.device)
     current_lr = settings.lr
+    on_cpu = x.device.type == "cpu"  # where the index batches are made
     try:
         for step, batch in enumerate(batches):
-            batch = batch.to(x.device)
+            if not on_cpu:
+                batch = batch.to(x.device)
+            size = len(batch)
             lr = hooks.lr(step, settings.lr)
             if lr != current_lr:  # touch the optimizer only when a strategy changes it
                 for group in optimizer.param_groups:
@@ -108,7 +111,7 @@ def train_locally(
             # the batch mean, and 0 (not NaN) for an empty Poisson batch; "mean" gives the
             # bits of sum / len at two thirds of the cost (one autograd node less)
             logits, targets = model(x[batch]), y[batch]
-            if len(batch):
+            if size:
                 loss = F.cross_entropy(logits, targets)
             else:
                 loss = F.cross_entropy(logits, targets, reduction="sum")
@@ -116,10 +119,11 @@ def train_locally(
             if private is None:  # under DP-SGD the optimizer calls it on the noised gradient
                 hooks.before_step(model)
             optimizer.step()
-            steps, samples = step + 1, samples + len(batch)
+            steps, samples = step + 1, samples + size
             hooks.time.samples = samples
-            loss_sum.add_(loss.detach(), alpha=len(batch))
-            if not hooks.after_step(steps, model, loss.detach()):
+            detached = loss.detach()
+            loss_sum.add_(detached, alpha=size)
+            if not hooks.after_step(steps, model, detached):
                 break
     finally:
         if private is not None:

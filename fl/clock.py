@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +106,24 @@ def build_profiles(
 
 
 class Profiles(Sequence[DeviceProfile]):
-    """Many clients' profiles as four arrays (32 bytes a client); an item is built when read."""
+    """Many clients' profiles as four arrays (32 bytes a client); an item is built when read.
+
+    The arrays are made read-only: profiles are fixed for a run, so facts about the whole
+    population (`always_available`) are computed once, not once a round.
+    """
 
     def __init__(
         self, speed: np.ndarray, up: np.ndarray, down: np.ndarray, availability: np.ndarray
     ) -> None:
+        for values in (speed, up, down, availability):
+            values.setflags(write=False)
         self.speed, self.up, self.down = speed, up, down
         self.availability = availability
+
+    @cached_property
+    def always_available(self) -> bool:
+        """Whether every client is reachable in every round (availability 1)."""
+        return bool(np.all(self.availability >= 1.0))
 
     @classmethod
     def of(cls, profiles: Sequence[DeviceProfile]) -> Profiles:
@@ -555,7 +567,7 @@ class VirtualClock:
         if self.availability_trace is not None:
             trace = self.availability_trace
             return np.array([trace.online(p, self.now) for p in range(len(self.profiles))])
-        if bool(np.all(self.profiles.availability >= 1.0)):  # every draw in [0, 1) passes
+        if self.profiles.always_available:  # every draw in [0, 1) passes
             return np.ones(len(self.profiles), dtype=bool)
         draws = np.random.default_rng([self.seed, server_round, 0xA7A1]).random(len(self.profiles))
         return draws < self.profiles.availability

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fl.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
-from fl.records import Layout, record_of, vector_to_arrays, wire_dtype
+from fl.records import Layout, new_record, record_of, vector_to_arrays, wire_dtype
 from fl.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.roundrobin import RoundRobin
 from fl.streaming import streamed_weighted_mean
@@ -245,16 +245,17 @@ class ServerStrategy(FedAvg):
         self.stats.sent.extend(chosen)
         messages = []
         for node_id in chosen:
-            node_config = ConfigRecord(
+            node_config = new_record(
+                ConfigRecord,
                 {
                     **config,
                     "server-round": server_round,
                     **self.extra_config(node_id),
                     **self.train_config(server_round, node_id),
-                }
+                },
             )
-            content = RecordDict(
-                {**self.train_payload(server_round, node_id), "config": node_config}
+            content = new_record(
+                RecordDict, {**self.train_payload(server_round, node_id), "config": node_config}
             )
             messages.append(
                 Message(content, node_id, MessageType.TRAIN, group_id=str(server_round))
@@ -303,10 +304,11 @@ class ServerStrategy(FedAvg):
         info = self.reply_info.get(node)
         base = self.base_of(node)
         vector = self.decode_reply(reply, base)
-        if not bool(torch.isfinite(vector).all()):
-            raise ValueError("update has NaN or Inf values")
         delta = vector - base
         norm = float(torch.linalg.vector_norm(delta))
+        # base is finite, so a NaN or Inf in the update shows in the norm: one pass, not two
+        if not math.isfinite(norm) and not bool(torch.isfinite(vector).all()):
+            raise ValueError("update has NaN or Inf values")
         if norm > self.max_update_norm:
             if self.update_norm_policy == "reject":
                 raise ValueError(

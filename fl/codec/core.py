@@ -16,7 +16,15 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fl.records import Layout, array_record, array_to_numpy, numpy_to_array, record_of
+from fl.records import (
+    Layout,
+    array_record,
+    array_to_numpy,
+    new_record,
+    numpy_to_array,
+    record_of,
+    value_bytes,
+)
 
 ARRAYS, CODEC = "arrays", "codec"
 Payload = dict[str, ArrayRecord | ConfigRecord]
@@ -224,8 +232,9 @@ def encode(
     if stage is not None:
         arrays = _staged(stage, codec, arrays, options)
     traffic = _measured(arrays, codec.control)
-    record = ConfigRecord(
-        {"name": chain, "payload-bytes": traffic.payload, "control-bytes": traffic.control}
+    record = new_record(
+        ConfigRecord,
+        {"name": chain, "payload-bytes": traffic.payload, "control-bytes": traffic.control},
     )
     return {ARRAYS: arrays, CODEC: record}
 
@@ -332,7 +341,7 @@ def _held(array: Array) -> int:
     however large the shape it claims.
     """
     try:
-        return int(array_to_numpy(array).nbytes)
+        return value_bytes(array)
     except (ValueError, TypeError):
         return len(array.data)
 
