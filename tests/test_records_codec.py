@@ -148,3 +148,30 @@ def test_dense_records_hold_the_arrays_flowers_own_constructors_build(state):
         assert vars(record[name]) == vars(flowers[name])
         assert record[name].object_id == flowers[name].object_id
     assert array_record_from_proto(array_record_to_proto(record)) == flowers
+
+
+@pytest.mark.parametrize(
+    "kind, items, bad",
+    [
+        ("ConfigRecord", {"a": 1, "b": [1.0, 2.0], "c": "x", "d": b"y", "e": True}, {"a": None}),
+        ("MetricRecord", {"n": 3, "loss": 0.5, "l": [1, 2]}, {"flag": True}),
+        ("RecordDict", {"m": "MetricRecord", "c": "ConfigRecord"}, {"m": {"n": 1}}),
+    ],
+)
+def test_new_record_is_flowers_record_with_flowers_checks(kind, items, bad):
+    import flwr.app
+
+    from fl.records import new_record
+
+    record_type = getattr(flwr.app, kind)
+    if kind == "RecordDict":  # records of records
+        items = {k: getattr(flwr.app, v)({"x": 1}) for k, v in items.items()}
+    ours, flowers = new_record(record_type, items), record_type(items)
+    assert ours == flowers and ours.object_id == flowers.object_id
+    assert vars(ours).keys() == vars(flowers).keys()
+    with pytest.raises(TypeError):
+        record_type(bad)
+    with pytest.raises(TypeError):
+        new_record(record_type, bad)
+    with pytest.raises(TypeError):
+        new_record(record_type, {7: next(iter(items.values()))})
