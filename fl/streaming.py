@@ -5,8 +5,9 @@ ten ResNet-18 replies that is about 0.9 GB of temporaries. Here each block of
 coordinates (small enough to stay in cache) is summed over the replies in float64 and
 written out as float32, so the temporaries are one or two blocks, each reply is read
 once, and nothing is stacked. The sum runs reply by reply with a fused multiply-add; the
-result equals the reference to the last float32 bit in every test we ran and can differ
-by at most one float32 ulp (both round a float64 sum to float32).
+result is at most one float32 ulp from the reference (both round a float64 sum to
+float32), and equal to it where the reference's BLAS fuses too (MKL with AVX-512 does; on
+AMD CPUs MKL does not, and the last bit can differ).
 
 Large vectors (ResNet-sized) go through a Numba kernel that converts and accumulates in
 one pass (torch needs a conversion kernel and an add kernel per block and reply, ~1.8×

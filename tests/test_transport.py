@@ -451,10 +451,17 @@ def test_the_streamed_mean_equals_the_stacked_reference(clients, size):
     streamed = streamed_weighted_mean(vectors, weights)
     stacked = weighted_mean(torch.stack(vectors), weights)
     assert streamed.dtype == torch.float32
-    # Both round a float64 sum to float32: at most one float32 ulp apart, and here equal.
-    ulp = torch.nextafter(stacked.abs(), torch.tensor(float("inf"))) - stacked.abs()
-    assert bool(((streamed - stacked).abs() <= ulp).all())
-    assert torch.equal(streamed, stacked)
+    # Both round a float64 sum to float32: at most one float32 ulp apart. (Equal where the
+    # BLAS behind the reference fuses a * x + acc as we do; MKL on AMD CPUs does not.)
+    assert _within_one_ulp(streamed, stacked)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x.abs(), torch.tensor(float("inf"))) - x.abs()
+
+
+def _within_one_ulp(x: torch.Tensor, reference: torch.Tensor) -> bool:
+    return bool(((x - reference).abs() <= _ulp(reference)).all())
 
 
 def test_the_compiled_kernel_gives_the_torch_path_s_bits():
@@ -466,7 +473,7 @@ def test_the_compiled_kernel_gives_the_torch_path_s_bits():
     compiled = streamed_weighted_mean(vectors, weights)
     scale = (weights / weights.sum()).tolist()
     assert torch.equal(compiled, _torch_mean(vectors, scale))
-    assert torch.equal(compiled, weighted_mean(torch.stack(vectors), weights))
+    assert _within_one_ulp(compiled, weighted_mean(torch.stack(vectors), weights))
     # A strided (non-contiguous) slice takes the torch path, with the same result.
     strided = [torch.randn(2 * size, generator=gen)[::2] for _ in range(2)]
     halves = torch.tensor([1.0, 3.0], dtype=torch.float64)
