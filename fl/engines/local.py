@@ -11,6 +11,7 @@ population: a million nodes cost their ids and partitions (24 bytes each) until 
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import threading
@@ -208,6 +209,7 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
     from clients.app import app as client_app
     from server.app import app as server_app
 
+    _freeze_imports()
     grid = LocalGrid(
         client_app,
         cfg.num_clients,
@@ -226,12 +228,20 @@ def run_local(cfg: Any, run_config: dict[str, Any]) -> None:
         state=RecordDict(),
         run_config=dict(run_config),
     )
-    # Long-lived objects (data, models, imported modules) make every full garbage
-    # collection walk them; freezing what exists now keeps collections to the round's garbage.
-    gc.collect()
-    gc.freeze()
     try:
         server_app(grid, context)
     finally:
-        gc.unfreeze()
         grid.close()
+
+
+@functools.cache
+def _freeze_imports() -> None:
+    """Keep full garbage collections off the ~230,000 objects of the imported modules
+    (torch, Flower, Hydra): they would walk them every time, during rounds too.
+
+    Once per process, never undone: a Hydra multirun calls `run_local` once per job, and
+    a collection of the whole heap before each freeze cost ~0.15 s a job. What each job
+    builds stays unfrozen and is collected as usual when the job ends.
+    """
+    gc.collect()
+    gc.freeze()
