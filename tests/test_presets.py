@@ -30,21 +30,18 @@ EXPERIMENTS = CONF / "experiment"
 QUICK = "_quick"
 NOT_PAPER_PRESETS = {"smoke"}  # a plain few-second sanity run, not a paper's experiment
 # Quick sweeps left to `-m slow` (run them with `pytest -m slow tests/test_presets.py`): the
-# default suite gives this file about half a minute, and a run of a sweep costs about 1 s of CPU
-# whatever its size (Hydra's compose, a gc pass; quick variants draw no plots), so the big
-# sweeps stay out. Each slow preset's strategies keep their fast unit tests.
-# Test seconds per sweep, 2026-12-03 14:35 UTC (pytest -n 2, quiet 2-core VM); the five
-# cheapest slow ones (sync_tuning 4.0, lrd2d_headroom 4.9, lrd2d 6.5, asfl 6.7, fedsu 7.0 s)
-# run by default since the suite got 30 s back (fl-run stages the App for `flwr run`).
+# default suite gives this file about half a minute, and a run of a sweep costs about 0.7 s of
+# CPU an arm whatever its size (Hydra's compose of each job, the run's own start and end;
+# quick variants draw no plots), so the big sweeps stay out. Each slow preset's strategies
+# keep their fast unit tests. Test seconds per sweep, 2026-12-03 19:20 UTC (pytest -n 2,
+# quiet 2-core VM), after the local engine stopped collecting the whole heap per job; the
+# cheapest then (fedsu_headroom 3.3, sync_tuning_headroom 4.9, fedca 5.3 s) run by default.
 SLOW = {
-    "robust": "18 arms, 18 s",
-    "apf_vs_fedavg": "4 arms of 3 rounds, 15 s",
-    "grafting": "10 arms, 12 s",
-    "lbbsp": "8 arms, 10 s",
-    "fedca": "6 arms, 8 s",
-    "r2sp": "6 arms, 7 s",
-    "sync_tuning_headroom": "3 arms, 6 s (sync_tuning's mechanic, checked by default)",
-    "fedsu_headroom": "3 arms, 5 s (fedsu's mechanic, checked by default)",
+    "robust": "18 arms, 13 s",
+    "apf_vs_fedavg": "4 arms of 3 rounds, 11 s",
+    "grafting": "10 arms, 10 s",
+    "lbbsp": "8 arms, 7 s",
+    "r2sp": "6 arms, 6 s",
 }
 
 
