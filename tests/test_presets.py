@@ -35,13 +35,12 @@ NOT_PAPER_PRESETS = {"smoke"}  # a plain few-second sanity run, not a paper's ex
 # quick variants draw no plots), so the big sweeps stay out. Each slow preset's strategies
 # keep their fast unit tests. Test seconds per sweep, 2026-12-03 19:20 UTC (pytest -n 2,
 # quiet 2-core VM), after the local engine stopped collecting the whole heap per job; the
-# cheapest then (fedsu_headroom 3.3, sync_tuning_headroom 4.9, fedca 5.3 s) run by default.
+# cheaper ones then (fedsu_headroom 3.3, sync_tuning_headroom 4.9, fedca 5.3, r2sp 6.2,
+# lbbsp 7.5 s) run by default.
 SLOW = {
     "robust": "18 arms, 13 s",
     "apf_vs_fedavg": "4 arms of 3 rounds, 11 s",
     "grafting": "10 arms, 10 s",
-    "lbbsp": "8 arms, 7 s",
-    "r2sp": "6 arms, 6 s",
 }
 
 
