@@ -31,6 +31,7 @@ clock and on the ideal one (ratio = the largest time-to-target cut the preset al
 
     python -m experiments.headroom_time fedca DIR [DIR ...]
     python -m experiments.headroom_time {asfl,r2sp,lbbsp,lrd2d} DIR [DIR ...]
+    python -m experiments.headroom_time fedca DIR [DIR ...] --setting system.speed_spread=20
 
 Each DIR is a sweep (numbered job directories) or a run directory; runs of several sweeps
 with the same overrides but `seed=` are averaged.
@@ -243,12 +244,14 @@ class Arm:
         return int(found[0]) if found else 1
 
 
-def load_arms(dirs: Sequence[Path]) -> list[Arm]:
-    """Every finished run under `dirs` (sweeps or run directories)."""
+def load_arms(dirs: Sequence[Path], setting: Sequence[str] = ()) -> list[Arm]:
+    """Every finished run under `dirs` (sweeps or run directories); overrides in `setting`
+    (a variant of the preset's task that every run shares) are left out of the labels."""
     arms = []
     for path in (p for d in dirs for p in find_runs(d)):
         run: Run = load_run(path)
-        label = " ".join(sorted(o for o in run.overrides if not o.startswith("seed=")))
+        shown = (o for o in run.overrides if not o.startswith("seed=") and o not in setting)
+        label = " ".join(sorted(shown))
         seed = int(OmegaConf.load(path / "config.yaml").seed)
         arms.append(Arm(label or "(preset defaults)", seed, run.rows, path))
     return arms
@@ -443,8 +446,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.headroom_time")
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    parser.add_argument(
+        "--setting",
+        nargs="*",
+        default=(),
+        metavar="OVERRIDE",
+        help="overrides every run shares (the preset on another task), e.g. system.speed_spread=20",
+    )
     args = parser.parse_args(argv)
-    preset, arms = PRESETS[args.preset], load_arms(args.dirs)
+    preset, arms = PRESETS[args.preset], load_arms(args.dirs, args.setting)
     if not arms:
         print("experiments.headroom_time: no finished runs found", file=sys.stderr)
         return 2
