@@ -124,7 +124,7 @@ def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 LONGEST_FIRST = (
     "test_run.py",
     "test_engine_flower_sim.py",  # Ray: mostly waiting, good company for a busy worker
-    "test_presets.py",  # one worker runs every quick sweep not marked slow (about 75 s)
+    "test_presets.py",  # one worker runs every quick sweep (about 110 s)
     "test_run_dir.py",
     "test_outsiders.py",
     "test_tls_deployment.py",

@@ -29,19 +29,10 @@ CONF = REPO / "conf"
 EXPERIMENTS = CONF / "experiment"
 QUICK = "_quick"
 NOT_PAPER_PRESETS = {"smoke"}  # a plain few-second sanity run, not a paper's experiment
-# Quick sweeps left to `-m slow` (run them with `pytest -m slow tests/test_presets.py`): the
-# default suite gives this file about half a minute, and a run of a sweep costs about 0.7 s of
-# CPU an arm whatever its size (Hydra's compose of each job, the run's own start and end;
-# quick variants draw no plots), so the big sweeps stay out. Each slow preset's strategies
-# keep their fast unit tests. Test seconds per sweep, 2026-12-03 19:20 UTC (pytest -n 2,
-# quiet 2-core VM), after the local engine stopped collecting the whole heap per job; the
-# cheaper ones then (fedsu_headroom 3.3, sync_tuning_headroom 4.9, fedca 5.3, r2sp 6.2,
-# lbbsp 7.5 s) run by default.
-SLOW = {
-    "robust": "18 arms, 13 s",
-    "apf_vs_fedavg": "4 arms of 3 rounds, 11 s",
-    "grafting": "10 arms, 10 s",
-}
+# Every quick sweep runs in the default suite: about 110 s on the worker that takes this file,
+# about 0.7 s of CPU an arm whatever its size (Hydra's compose of each job, the run's own
+# start and end; quick variants draw no plots). Longest: robust (18 arms) 13 s,
+# apf_vs_fedavg 11 s, grafting 10 s (pytest -n 2, quiet 2-core VM, 2026-12-03 19:20 UTC).
 
 
 def paper_presets() -> list[str]:
@@ -51,11 +42,6 @@ def paper_presets() -> list[str]:
 
 
 PRESETS = paper_presets()
-
-
-def _marked(names: list[str]) -> list[Any]:
-    """The presets as test parameters, those in SLOW marked slow."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
 
 
 # ----- composing a preset -----------------------------------------------------------------
@@ -435,7 +421,7 @@ def test_quick_variant_is_the_preset_shrunk(name):
         assert len(_sweep_values("seed", sets["hydra.sweeper.params.seed"])) == 1
 
 
-@pytest.mark.parametrize("name", _marked(PRESETS))
+@pytest.mark.parametrize("name", PRESETS)
 def test_quick_variant_runs_every_arm(name, tmp_path):
     assert name in MECHANICS, f"add the mechanic {name}{QUICK} checks to MECHANICS"
     cfg = _compose(f"{name}{QUICK}")
