@@ -393,20 +393,20 @@ def array_to_numpy(array: Array) -> np.ndarray:
     exactly the plain numeric dtype and shape the Array declares. Our own header (cached)
     is recognised without parsing; any other writer's is parsed by NumPy's reader.
     """
-    dtype, shape, start, fortran = _npy_layout(array)
-    value = np.frombuffer(array.data, dtype=dtype, count=math.prod(shape), offset=start)
+    dtype, shape, start, nbytes, fortran = _npy_layout(array)
+    value = np.frombuffer(array.data, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
     return value.reshape(shape, order="F" if fortran else "C")
 
 
 def value_bytes(array: Array) -> int:
     """Bytes of values a Flower Array holds: `array_to_numpy(array).nbytes`, same checks,
     same errors, without building the view (traffic is measured on every message)."""
-    dtype, shape, _, _ = _npy_layout(array)
-    return math.prod(shape) * dtype.itemsize
+    return _npy_layout(array)[3]
 
 
-def _npy_layout(array: Array) -> tuple[np.dtype, tuple[int, ...], int, bool]:
-    """(dtype, shape, data offset, fortran order) of a checked .npy Array (`array_to_numpy`)."""
+def _npy_layout(array: Array) -> tuple[np.dtype, tuple[int, ...], int, int, bool]:
+    """(dtype, shape, data offset, value bytes, fortran order) of a checked .npy Array
+    (`array_to_numpy`)."""
     if array.stype != NUMPY:
         raise ValueError(f"array is not a .npy payload (stype {array.stype!r})")
     if not isinstance(array.dtype, str):
@@ -425,7 +425,7 @@ def _npy_layout(array: Array) -> tuple[np.dtype, tuple[int, ...], int, bool]:
             )
     if len(data) - start != nbytes:
         raise ValueError(f"array holds {len(data) - start} bytes, {dtype} {shape} needs {nbytes}")
-    return dtype, shape, start, fortran
+    return dtype, shape, start, nbytes, fortran
 
 
 def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
