@@ -5,7 +5,7 @@ and per-client memory lives in the node's `Context.state`. Its data partition is
 node config's `partition-id`; with a run config that carries none of ours (a stock Flower
 ServerApp, as in Flower's templates) the run is our defaults split into the node config's
 `num-partitions`. An instruction for another strategy, or another contract version, gets
-an error reply naming both (`fl.contract`).
+an error reply naming both (`fl.wire.contract`).
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
 
 from clients.trainer import LocalResult, TrainSettings, train_locally
-from fl.codec import decode, payload_traffic
-from fl.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
-from fl.contract import mismatch_reply
-from fl.faults import fault_mod
-from fl.hooks import ClientHooks, ClientTime
-from fl.records import new_record, required_record
-from fl.registry import StrategySpec, get_strategy
-from fl.seeding import derive_seed, pin_torch_threads
-from fl.task import Task, get_task
-from fl.transport import bulk_mod
+from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
+from fl.common.seeding import derive_seed, pin_torch_threads
+from fl.net.transport import bulk_mod
+from fl.run.faults import fault_mod
+from fl.strategy.client import ClientHooks, ClientTime
+from fl.strategy.registry import StrategySpec, get_strategy
+from fl.wire.codec import decode, payload_traffic
+from fl.wire.contract import mismatch_reply
+from fl.wire.records import new_record, required_record
+from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
 
 __all__ = ["Round", "Trainer", "app", "train_in_process", "train_message"]
 
-# bulk_mod: arrays beside Flower's messages when the server offers it (fl.transport);
+# bulk_mod: arrays beside Flower's messages when the server offers it (fl.net.transport);
 # outermost, so that faults act on the arrays as the ClientApp made them.
 app = ClientApp(mods=[bulk_mod, fault_mod])  # fault_mod: the configured faults (none by default)
 

@@ -10,7 +10,7 @@ all-reduce of [Σ_share ∇loss, b_i, loss_i, t_i] gives every rank the full-bat
 (LB-BSP's batch-weighted aggregation: the gradient, learning rate and so the trajectory
 are a single process's). Rank 0's `ShareController` sizes the next step's shares from the
 measured per-rank times: ∝ predicted speed (CPU; last value, EMA or NARX) or the
-leader/straggler loop with memory caps (GPU), `fl.lbbsp`. gloo on CPU and in tests,
+leader/straggler loop with memory caps (GPU), `fl.mechanisms.lbbsp`. gloo on CPU and in tests,
 NCCL on GPUs (which uses InfiniBand/RoCE and GPUDirect by itself).
 
 Turned on by the node config (`flower-supernode --node-config`): `cluster-ranks=N` (N ≥ 2),
@@ -52,13 +52,19 @@ from torch.utils.data import Sampler
 
 from clients import app as local
 from clients.trainer import LocalResult, TrainSettings
-from fl.config import from_run_config
-from fl.faults import fault_mod
-from fl.hooks import ClientHooks
-from fl.lbbsp import PREDICTORS, LeaderStraggler, Predictor, make_predictor, proportional_sizes
-from fl.seeding import derive_seed, pin_torch_threads
-from fl.task import get_task
-from fl.transport import bulk_mod
+from fl.common.config import from_run_config
+from fl.common.seeding import derive_seed, pin_torch_threads
+from fl.mechanisms.lbbsp import (
+    PREDICTORS,
+    LeaderStraggler,
+    Predictor,
+    make_predictor,
+    proportional_sizes,
+)
+from fl.net.transport import bulk_mod
+from fl.run.faults import fault_mod
+from fl.strategy.client import ClientHooks
+from fl.world.task import get_task
 
 __all__ = [
     "ClusterConfig",
@@ -547,7 +553,7 @@ def cluster_check(
     `clients.trainer.train_locally` on the same data, seed and initial weights.
     """
     from clients.trainer import train_locally
-    from fl.config import compose, to_run_config
+    from fl.common.config import compose, to_run_config
 
     cfg = compose(["partition=iid", "num_clients=2", f"batch_size={batch}", f"local_steps={steps}"])
     task = get_task(cfg)

@@ -7,7 +7,7 @@ def train(msg, context):
 ```
 
 One call does what our ClientApp does for a round: refuses an instruction meant for
-another strategy (`fl.contract`), loads the server's payload into `model` through the
+another strategy (`fl.wire.contract`), loads the server's payload into `model` through the
 strategy's `load` hook (APF's synced model and mask), then trains: per batch the `lr`
 hook, forward, backward, `before_step` (FedProx's proximal term), `optimizer.step()` and
 `after_step` (APF's roll-back of frozen scalars, an early stop). The `end` hook encodes
@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from fl.codec import payload_traffic
-from fl.contract import mismatch_reply
-from fl.hooks import ClientTime
-from fl.records import Layout, required_record
-from fl.registry import get_strategy
+from fl.strategy.client import ClientTime
+from fl.strategy.registry import get_strategy
+from fl.wire.codec import payload_traffic
+from fl.wire.contract import mismatch_reply
+from fl.wire.records import Layout, required_record
 
 __all__ = ["train_with_hooks"]
 

@@ -1,4 +1,4 @@
-"""The local training loop; strategies change it only through `fl.hooks.ClientHooks`."""
+"""The local training loop; strategies change it only through `fl.strategy.client.ClientHooks`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl.hooks import ClientHooks
+from fl.strategy.client import ClientHooks
 
 __all__ = ["LocalResult", "Privatizer", "TrainSettings", "train_locally"]
 

@@ -15,11 +15,12 @@ import sys
 
 import torch
 
-from fl.config import compose, to_run_config, validate
-from fl.engines.local import run_local
-from fl.hooks import ClientHooks
-from fl.registry import register
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.common.config import compose, to_run_config
+from fl.run.engines.local import run_local
+from fl.run.validation import validate
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
 from strategies.fedavg import FedAvgParams
 
 HISTORY: list[torch.Tensor] = []

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from fl.compare import Run, find_runs, load_run
+from fl.run.compare import Run, find_runs, load_run
 
 ARM_KEY = "+experiment/asfl_arm="
 

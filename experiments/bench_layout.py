@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl.models import build_model
-from fl.records import Layout
+from fl.wire.records import Layout
+from fl.world.models import build_model
 
 MODELS = {  # name: (builder, input shape, classes, options)
     "mlp 20-32-2": ("mlp", (20,), 2, {"hidden": (32,)}),

@@ -52,8 +52,8 @@ def config_lr() -> float:
 @lru_cache(maxsize=2)
 def workload(clients: int) -> tuple[Any, list[np.ndarray]]:
     """The synthetic dataset with one natural partition per client, built once per process."""
-    from fl.data import load_dataset
-    from fl.partition import partition_indices
+    from fl.world.data import load_dataset
+    from fl.world.partition import partition_indices
 
     data = load_dataset(
         "synthetic",
@@ -73,7 +73,7 @@ def initial_model() -> Any:
     """The MLP 20-32-2 with the initial weights our engine starts from (seeded build)."""
     import torch
 
-    from fl.models import build_model
+    from fl.world.models import build_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)

@@ -4,11 +4,11 @@ On the population benchmark's MLP 20-32-2, per operation, the minimum over `--re
 of the mean of `--calls` calls, in µs:
 
 - encode: Flower's way, `ArrayRecord({name: Array(ndarray)})` of the state_dict plus a
-  `ConfigRecord` of the codec's three fields; ours, `fl.codec.encode_dense` (the same
+  `ConfigRecord` of the codec's three fields; ours, `fl.wire.codec.encode_dense` (the same
   records, and their byte counts measured);
 - decode: Flower's way, `ArrayRecord.to_torch_state_dict()` then `torch.cat`; ours,
-  `fl.codec.decode` (names, shapes, dtypes and sizes checked against the layout);
-- measure: the bytes a message's arrays hold, `fl.codec.payload_traffic`, against
+  `fl.wire.codec.decode` (names, shapes, dtypes and sizes checked against the layout);
+- measure: the bytes a message's arrays hold, `fl.wire.codec.payload_traffic`, against
   Flower's `ArrayRecord.count_bytes()`.
 
     .venv/bin/python experiments/bench_records.py [--calls 5000] [--repeats 5]
@@ -26,9 +26,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl.codec import decode, encode_dense, payload_traffic
-from fl.models import build_model
-from fl.records import Layout
+from fl.wire.codec import decode, encode_dense, payload_traffic
+from fl.wire.records import Layout
+from fl.world.models import build_model
 
 
 def main(argv: list[str] | None = None) -> None:

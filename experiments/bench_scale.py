@@ -1,7 +1,7 @@
 """Population-scale benchmark: a plain PyTorch loop vs our local engine on the same sampled clients.
 
 Both arms train `--per-round` clients a round drawn from `--clients` with the framework's
-own seeded selection, on Synthetic data generated per client (`fl.data.SyntheticDevices`),
+own seeded selection, on Synthetic data generated per client (`fl.world.data.SyntheticDevices`),
 MLP 20-32-2, 1 epoch of batch-16 SGD, and evaluate the global model on the same test split
 every round. Reported per arm (medians over repeats): peak RSS of the process tree,
 start-up (launch to the start of round 1), per-round wall and CPU time (CPU: robust to
@@ -50,14 +50,14 @@ from experiments.bench_many_clients import (
     test_accuracy,
 )
 
-SELECT_TAG = 0x5E1  # fl.strategy.ServerStrategy.select's stream
+SELECT_TAG = 0x5E1  # fl.strategy.server.ServerStrategy.select's stream
 POLL_S = 0.02
 GOALS = {"peak_rss_mb": 2048.0, "startup_s": 10.0, "round_ratio": 1.5}
 
 
 def devices(clients: int) -> Any:
     """The Synthetic population both arms draw clients from."""
-    from fl.data import SyntheticDevices
+    from fl.world.data import SyntheticDevices
 
     return SyntheticDevices(
         SEED,
@@ -79,7 +79,7 @@ def plain_worker(clients: int, per_round: int, rounds: int, result: Path) -> Non
     then the example-weighted average and the test accuracy."""
     import torch
 
-    from fl.task import EVAL_DEVICES
+    from fl.world.task import EVAL_DEVICES
 
     torch.set_num_threads(1)  # as our engine (torch_threads=1)
     lr = config_lr()

@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl.loops import LoopSettings, RoundDriver
-from fl.population import PartitionMap
+from fl.run.loops import LoopSettings, RoundDriver
+from fl.world.population import PartitionMap
 from strategies.asfl import ASFLParams, ASFLServer
 
 

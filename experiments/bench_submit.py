@@ -2,7 +2,7 @@
 
 `fl-run engine=deployment` used to hand the checkout to `flwr run`, which lists and
 resolves every file under it (a virtualenv, run outputs) before applying `.gitignore`.
-It now stages the App's files (`fl.engines.deployment.staged_app`) and hands over the copy.
+It now stages the App's files (`fl.run.engines.deployment.staged_app`) and hands over the copy.
 This times both ways of building the FAB that `flwr run` submits, alternating, and checks
 the bytes are the same:
 
@@ -22,7 +22,7 @@ from flwr.cli.build import build_fab_from_disk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl.engines.deployment import REPO, staged_app
+from fl.run.engines.deployment import REPO, staged_app
 
 
 def main() -> None:

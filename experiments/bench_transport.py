@@ -6,8 +6,8 @@ side on 127.0.0.1:
 1. A ResNet-18-sized model (46.8 MB float32, 122 tensors) server -> client -> server
    through a real SuperLink and SuperNode (`flwr run` of this file as a Flower App), one
    message at a time, `repeats` per mode (after one warm-up): `inline` (the model inside
-   Flower's messages), `grpc` and `rdma` (the model on the side channel, `fl.transport`;
-   rdma only where NIXL imports) through the node's bulk agent (`fl.transport.sidecar`,
+   Flower's messages), `grpc` and `rdma` (the model on the side channel, `fl.net.transport`;
+   rdma only where NIXL imports) through the node's bulk agent (`fl.net.transport.sidecar`,
    started beside the SuperNode as a deployment runs it: `bulk-agent=PATH` in the node
    config), and `grpc_process` and `rdma_process`, the same without the agent (each
    ClientApp process dials, and for rdma makes its own NIXL agent). Flower's polling (the
@@ -24,7 +24,7 @@ side on 127.0.0.1:
    `inline_s`, `grpc_s`, `rdma_s`, `grpc_process_s`, `rdma_process_s`: medians of those
    sums; `load_avg`: the 1-minute load average at the start and the end;
    `bulk_fallbacks`: per mode, arrays that went inline instead (0 when all went aside).
-2. The aggregation of 10 such replies: ours (`fl.streaming.streamed_weighted_mean` on the
+2. The aggregation of 10 such replies: ours (`fl.wire.streaming.streamed_weighted_mean` on the
    decoded vectors, what `ServerStrategy.aggregate` does: `aggregate_gbps`; and from the
    replies' ArrayRecords to the new global ArrayRecord, decoding and encoding included, as
    Flower's function does: `aggregate_records_gbps`), Flower's `aggregate_arrayrecords` on
@@ -87,9 +87,9 @@ try:  # (the launcher below needs none of this)
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 
-    from fl.records import array_to_numpy, numpy_to_array
-    from fl.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
-    from fl.transport.links import NODE_CONFIG_KEY
+    from fl.net.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
+    from fl.net.transport.links import NODE_CONFIG_KEY
+    from fl.wire.records import array_to_numpy, numpy_to_array
 
     def timed_bulk_mod(msg: Message, context: Context, call_next: Any) -> Message:
         """`bulk_mod`, its own seconds (all it does but the handler) added to the reply;
@@ -245,7 +245,7 @@ def flower_round_trips(mb: float, repeats: int, root: Path) -> dict[str, Any]:
         agent_socket = root / "bulk-agent.sock"  # the node's bulk agent, beside its SuperNode
         sidecar = start(
             "bulk-agent",
-            [sys.executable, "-m", "fl.transport.sidecar", "--socket", str(agent_socket)],
+            [sys.executable, "-m", "fl.net.transport.sidecar", "--socket", str(agent_socket)],
         )
         _wait_path(agent_socket, sidecar)
         start(
@@ -286,8 +286,8 @@ def aggregation(mb: float, repeats: int) -> dict[str, float]:
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-    from fl.records import Layout, arrays_to_vector, numpy_to_array, vector_to_arrays
-    from fl.streaming import streamed_weighted_mean
+    from fl.wire.records import Layout, arrays_to_vector, numpy_to_array, vector_to_arrays
+    from fl.wire.streaming import streamed_weighted_mean
 
     torch.set_num_threads(1)  # as every run pins it (torch_threads: 1); NumPy is single-threaded
     replies = [model(mb, 1000 + i) for i in range(REPLIES)]

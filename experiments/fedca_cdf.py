@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fl.compare import Run, find_runs, load_run
+from fl.run.compare import Run, find_runs, load_run
 
 __all__ = ["arm_table", "main", "plot_cdfs"]
 

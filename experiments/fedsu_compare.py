@@ -1,7 +1,7 @@
 """FedSU preset: the comparison table at the last round every arm reached, and one plot of
 the share of scalars each arm leaves unsynchronised (FedSU's speculated, APF's frozen).
 
-`fl.compare` needs finished runs (summary.json); this reads metrics.jsonl alone, so it also
+`fl.run.compare` needs finished runs (summary.json); this reads metrics.jsonl alone, so it also
 compares arms stopped early (each resumes from its checkpoint with `resume=true`).
 
     .venv/bin/python experiments/fedsu_compare.py experiments/out/fedsu/<timestamp> [target]
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from asfl_table import _cell
 
-from fl.plots import plot_diagnostic
+from fl.run.plots import plot_diagnostic
 
 UNSYNCED = ("speculated_fraction", "frozen_fraction")
 

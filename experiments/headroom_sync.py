@@ -16,7 +16,7 @@ exact (checked: a run on 0.2 Mbit/s repeats a 0.05 Mbit/s run's accuracies round
 
 ``stable OVERRIDE ...`` (APF, FedSU): runs FedAvg with the given overrides (a preset, say
 ``experiment=fedsu``), keeps every round's global model and replays on it the two
-stability tests with the strategies' own code (`fl.diagnosis`): APF's effective
+stability tests with the strategies' own code (`fl.mechanisms.diagnosis`): APF's effective
 perturbation P = |EMA(Δ)| / EMA(|Δ|) (α 0.99) below T_s = 0.05, and FedSU's oscillation
 ratio R of the second differences (θ 0.99) below T_R = 0.01, and FedSU's whole law (R in,
 error checks with T_S = 1 out; `speculated_shares`), which R alone overstates: R passes a
@@ -47,8 +47,8 @@ import yaml
 from apf_stability_probe import HISTORY, report
 from apf_stability_probe import main as run_recording
 
-from fl.diagnosis import OscillationRatio, SteppingRate
-from fl.speculation import LinearityTest, Speculation, error_feedback
+from fl.mechanisms.diagnosis import LinearityTest, OscillationRatio, SteppingRate
+from fl.mechanisms.speculation import Speculation, error_feedback
 
 APF_THRESHOLD = 0.05  # T_s, APF's default (S-APF-J §VII-A)
 FEDSU_THRESHOLD = 0.01  # T_R, FedSU's default (§VI-A)
@@ -281,7 +281,7 @@ def stable_shares(history: Sequence[torch.Tensor]) -> dict[str, list[float]]:
 def speculated_shares(history: Sequence[torch.Tensor]) -> list[float]:
     """Per round, the share of scalars FedSU's law keeps speculated along FedAvg's path.
 
-    The strategy's own pieces (`fl.speculation`): a regular scalar enters when R < T_R,
+    The strategy's own pieces (`fl.mechanisms.speculation`): a regular scalar enters when R < T_R,
     with its last round update as slope; at the checks after 1, 2, 3, ... rounds its phase
     error is what FedAvg's clients would report had it been speculated, FedAvg's value now
     minus the speculated one (full participation), and it leaves when that reaches T_S

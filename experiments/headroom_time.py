@@ -5,7 +5,7 @@ This script measures how much, on the baseline arm of each preset's finished swe
 prints one table per preset: the headroom, then every arm's figures as mean ± sample std
 over the seeds found.
 
-Headroom, per preset (all on the baseline arm, all virtual time of `fl/clock.py`):
+Headroom, per preset (all on the baseline arm, all virtual time of `fl/world/clock.py`):
 
 - FedCA, ASFL, LB-BSP: the *barrier idle share* of a synchronous round,
   1 − Σ_r mean_i min(t_i, T_r) / Σ_r T_r, where t_i is selected client i's round trip
@@ -56,10 +56,10 @@ from omegaconf import OmegaConf
 from experiments.asfl_table import _cell
 from experiments.lbbsp_table import _reached
 from experiments.r2sp_table import _time_to
-from fl.clock import MBIT, Job, clock_from_config
-from fl.compare import Run, find_runs, load_run
-from fl.config import plain
-from fl.task import get_task
+from fl.common.config import plain
+from fl.run.compare import Run, find_runs, load_run
+from fl.world.clock import MBIT, Job, clock_from_config
+from fl.world.task import get_task
 from server.loop import _deadline_s  # the run's own default deadline, not a copy
 
 __all__ = [

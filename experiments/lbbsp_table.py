@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from fl.config import compose
-from fl.lbbsp import LeaderStraggler, make_predictor, proportional_sizes
-from fl.task import get_task
+from fl.common.config import compose
+from fl.mechanisms.lbbsp import LeaderStraggler, make_predictor, proportional_sizes
+from fl.world.task import get_task
 
 WORKERS, GLOBAL_BATCH = 8, 256
 

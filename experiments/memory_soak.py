@@ -97,7 +97,7 @@ def child(run_dir: Path, marks: tuple[int, int], trace: bool, overrides: list[st
         target=_watch, args=(run_dir, marks, trace, run_dir / "objects.json", done), daemon=True
     )
     watcher.start()
-    from fl.run import main
+    from fl.run.cli import main
 
     sys.argv = ["fl-run", f"hydra.run.dir={run_dir}", "progress=false", *overrides]
     try:

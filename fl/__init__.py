@@ -1,14 +1,20 @@
-"""Shared kernel of the framework: records, codecs, clock, data, models, engines, run.
+"""Shared kernel of the framework, in floors that import only downwards.
+
+`run` (entry point, engines, loops, tracking) > `net` (TLS, gate, bulk transport) >
+`strategy` (the contract an algorithm implements) > `mechanisms` (what strategies
+compose) > `world` (clock, data, models, tasks) > `wire` (records, codecs, sync) >
+`common` (errors, seeds, config access). `make lint` holds the floors to this order.
 
 Importing `fl` turns off Flower's and Ray's telemetry, update checks and runtime
 dependency installation for this process and every process it starts, so nothing we
 run phones home. It also checks that our other top-level packages (`server`, `clients`,
-...) are ours, not a same-named module that shadows them (`fl.packaging`).
+...) are ours, not a same-named module that shadows them (`fl.common.packaging`).
 """
 
 import os
 
-from fl.packaging import check_own_packages
+from fl.common import moved
+from fl.common.packaging import check_own_packages
 
 OFFLINE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -21,5 +27,6 @@ for _key, _value in OFFLINE_ENV.items():
     os.environ.setdefault(_key, _value)
 
 check_own_packages()  # our generic package names are ours, or one clear ImportError
+moved.install()  # old flat import paths (fl.hooks, fl.registry, ...) still resolve
 
 __all__ = ["OFFLINE_ENV"]

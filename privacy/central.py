@@ -40,11 +40,11 @@ from flwr.serverapp.strategy import (
 )
 from omegaconf import DictConfig
 
-from fl.codec import encode_dense
-from fl.console import flower_logs_once
-from fl.errors import RunError
-from fl.records import vector_to_arrays
-from fl.strategy import ServerStrategy
+from fl.common.errors import RunError
+from fl.run.console import flower_logs_once
+from fl.strategy.server import ServerStrategy
+from fl.wire.codec import encode_dense
+from fl.wire.records import vector_to_arrays
 
 __all__ = ["MODES", "CentralDP", "FixedDenominator", "wrap_central_dp"]
 

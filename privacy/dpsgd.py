@@ -225,7 +225,7 @@ class PrivateTraining:
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
         device = next(model.parameters()).device
-        # strict: a layer Opacus cannot handle raises here (fl.config names it before round 1)
+        # strict: a layer Opacus cannot handle raises here (privacy.config names it before round 1)
         self._hooks = GradSampleModule(model, loss_reduction="mean", strict=True)
         private = DPOptimizer(
             optimizer,

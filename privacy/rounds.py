@@ -25,8 +25,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fl.strategy import ClientUpdate
-from fl.task import Task
+from fl.strategy.server import ClientUpdate
+from fl.world.task import Task
 from privacy.dpsgd import BUDGET_KEY, DPSGD
 
 __all__ = ["RoundPrivacy"]

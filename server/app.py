@@ -11,9 +11,10 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fl.config import from_run_config, validate
-from fl.seeding import pin_torch_threads
-from fl.transport import transport_grid
+from fl.common.config import from_run_config
+from fl.common.seeding import pin_torch_threads
+from fl.net.transport import transport_grid
+from fl.run.validation import validate
 from server.loop import run_training
 from server.nodes import AllowedGrid, allowed_nodes, node_wait_s, wait_for_nodes
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from fl.task import Task
+from fl.world.task import Task
 
 __all__ = ["evaluate_global"]
 

@@ -21,23 +21,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fl.clock import VirtualClock, clock_from_config
-from fl.codec import CODEC, Traffic, payload_traffic
-from fl.config import plain
-from fl.console import RoundReporter
-from fl.contract import check_reply_error, stamp
-from fl.errors import RunError
-from fl.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
-from fl.population import NodeIds, nodes_by_partition
-from fl.records import required_record
-from fl.registry import get_strategy
-from fl.robust import example_bounds, robust_options
-from fl.strategy import ClientUpdate, ServerStrategy
-from fl.task import Task, get_task
-from fl.tracking import RunLog, clear_run, refuse_existing_run
-from privacy.central import wrap_central_dp
-from privacy.rounds import RoundPrivacy
-from server.checkpoint import (
+from fl.common.config import plain
+from fl.common.errors import RunError
+from fl.mechanisms.robust import example_bounds, robust_options
+from fl.run.checkpoint import (
     CHECKPOINT,
     check_resumable,
     load_checkpoint,
@@ -45,6 +32,19 @@ from server.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from fl.run.console import RoundReporter
+from fl.run.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
+from fl.run.tracking import RunLog, clear_run, refuse_existing_run
+from fl.strategy.registry import get_strategy
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.codec import CODEC, Traffic, payload_traffic
+from fl.wire.contract import check_reply_error, stamp
+from fl.wire.records import required_record
+from fl.world.clock import VirtualClock, clock_from_config
+from fl.world.population import NodeIds, nodes_by_partition
+from fl.world.task import Task, get_task
+from privacy.central import wrap_central_dp
+from privacy.rounds import RoundPrivacy
 from server.evaluation import evaluate_global
 from server.nodes import discover_partitions
 
@@ -221,7 +221,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "wall_time_s": progress.wall_time_s,
             **_staleness(strategy.stats.updates, settings),
             **strategy.diagnostics(),
-            **(grid.diagnostics() if hasattr(grid, "diagnostics") else {}),  # fl.transport
+            **(grid.diagnostics() if hasattr(grid, "diagnostics") else {}),  # fl.net.transport
             **privacy.observe(strategy.stats.updates, partitions),
         }
         run_log.append(row)

@@ -19,7 +19,7 @@ held by a node with a lower id, is refused and logged too; only partitions that 
 remaining node holds fail the run.
 
 An in-process engine that assigned the partitions itself (the local engine) hands the
-map over (`partition_map`, a `fl.population.PartitionMap`) instead of being asked node
+map over (`partition_map`, a `fl.world.population.PartitionMap`) instead of being asked node
 by node.
 """
 
@@ -36,9 +36,9 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fl.grids import DelegatingGrid
-from fl.population import PartitionMap
-from fl.tls import fingerprint, is_allowlist
+from fl.net.tls import fingerprint, is_allowlist
+from fl.wire.grids import DelegatingGrid
+from fl.world.population import PartitionMap
 
 __all__ = [
     "NODE_WAIT_S",

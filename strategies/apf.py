@@ -6,13 +6,13 @@ at the same value on every client and left out of both upload and download, for 
 period that grows by one check interval each time it is found stable again and is
 halved when it is not (AIMD). Spec: shared/specs/algorithms_a.md §2.
 
-As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
+As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `actions`, `laws`): diagnosis = the
 effective stepping rate `SteppingRate`, action = the freezing mask `FreezeMask`, law =
 `below` T_s then `aimd` of the freezing lengths.
 
 Wire protocol (ours; the paper lets each client derive the mask itself): the server
 computes the mask once per check from the synchronised model, and model and mask travel
-through the shared sync protocol (`fl.sync`): a client gets the changes since the round
+through the shared sync protocol (`fl.wire.sync`): a client gets the changes since the round
 it last saw, which for a client that replied last round are exactly the values that
 round trained (no positions: its mask says where) plus the mask's flips. Replies carry
 the active scalars. The paper trains with full participation; with partial
@@ -29,18 +29,18 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.actions import FreezeMask, freezing_synced
-from fl.codec import decode, encode_masked
-from fl.diagnosis import SteppingRate
-from fl.hooks import ClientHooks, Reply
-from fl.laws import below
-from fl.masking import Rollback
-from fl.records import Layout
-from fl.registry import register
-from fl.seeding import derive_seed
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
-from fl.sync import SyncClient, Synced
+from fl.common.checkpointable import checkpointable
+from fl.common.seeding import derive_seed
+from fl.mechanisms.actions import FreezeMask, freezing_synced
+from fl.mechanisms.diagnosis import SteppingRate
+from fl.mechanisms.laws import below
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.codec import decode, encode_masked
+from fl.wire.masking import Rollback
+from fl.wire.records import Layout
+from fl.wire.sync import SyncClient, Synced
 
 VARIANTS = ("apf", "apf_sharp", "apf_plus")
 
@@ -128,7 +128,7 @@ def _freeze_at_random(state: FreezingState, params: APFParams, generator: torch.
 
 
 def synced_state(params: APFParams) -> tuple[Synced, ...]:
-    """Model and mask, kept in step on every client (`fl.sync`); the mask starts all True."""
+    """Model and mask, kept in step on every client (`fl.wire.sync`); the mask starts all True."""
     return freezing_synced(params.lazy_frozen)
 
 

@@ -27,7 +27,7 @@ Protocol, on the `semi_async` loop (clients_per_round nodes stay in flight):
    duration and L_ref = horizon × the slowest reply duration seen so far (our estimate
    of synchronous FedAvg's latency over the same rounds).
 
-Policies: `sac` (SAC-Discrete, `fl.sac`, learning online within the run), `fixed` (the
+Policies: `sac` (SAC-Discrete, `fl.mechanisms.sac`, learning online within the run), `fixed` (the
 grid point (fixed_quota, fixed_lag): SAFA with a fixed lag, our SAFA baseline) and
 `random` (uniform over the grid: the ablation that shows whether the agent learned).
 Everything, agent included, is in `state_dict()`, so a resumed run is bit-identical.
@@ -43,13 +43,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl.hooks import ClientHooks
-from fl.population import as_node_ids, member
-from fl.registry import register
-from fl.sac import SACConfig, SACDiscrete
-from fl.seeding import derive_seed
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.common.checkpointable import checkpointable
+from fl.common.seeding import derive_seed
+from fl.mechanisms.sac import SACConfig, SACDiscrete
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.world.population import as_node_ids, member
 
 POLICIES = ("sac", "fixed", "random")
 SELECTIONS = ("score", "uniform")

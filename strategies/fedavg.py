@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from fl.hooks import ClientHooks
-from fl.registry import register
-from fl.strategy import ServerStrategy
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ServerStrategy
 
 
 @dataclass

@@ -44,12 +44,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
-from fl.codec import Codec, CodecError, Options, encode, read, register_codec, require
-from fl.hooks import ClientHooks, Reply
-from fl.records import Layout, array_record, array_to_numpy, numpy_to_array
-from fl.registry import register
-from fl.seeding import derive_seed
-from fl.strategy import ServerStrategy, UploadParts
+from fl.common.seeding import derive_seed
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ServerStrategy, UploadParts
+from fl.wire.codec import Codec, CodecError, Options, encode, read, register_codec, require
+from fl.wire.records import Layout, array_record, array_to_numpy, numpy_to_array
 
 VARIANTS = ("v1", "v2", "v3")
 PROFILE = "fedca-profile"  # the client's anchor curves in its Context.state

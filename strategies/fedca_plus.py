@@ -6,7 +6,7 @@ only its title is known (spec algorithms_a.md §6.8). This design is ours and is
 paper-faithful.
 
 FedCA (strategies/fedca.py) lets clients stop early and send settled layers eagerly;
-FedSU (strategies/fedsu.py, shared mechanics in fl/speculation.py) stops synchronising
+FedSU (strategies/fedsu.py, shared mechanics in fl/mechanisms/speculation.py) stops synchronising
 scalars whose global trajectory is a straight line, moving them by their last round
 update on every party, with error feedback sending them back to regular sync. FedCA+
 combines the two: a layer is *eagerly stable* when at least half of a round's tuned
@@ -17,7 +17,7 @@ regular sync when S >= T_S), whatever its layer does later. Speculated scalars a
 neither downloaded nor uploaded (except as errors when checked), so replies and eager
 parts shrink; everything else is FedCA's (early stop, eager layers, re-sends, T_R).
 
-Wire protocol: FedSU's (speculation state through `fl.sync`, the clock as
+Wire protocol: FedSU's (speculation state through `fl.wire.sync`, the clock as
 `fedsu-clock`, a CRC of the model trained from), with FedCA's `eager_layers` reply codec
 restricted to the positions FedSU's reply mask names.
 """
@@ -31,12 +31,13 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
-from fl.hooks import Reply
-from fl.records import Layout
-from fl.registry import register
-from fl.speculation import LinearityTest, Speculation, digest
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate
+from fl.common.checkpointable import checkpointable
+from fl.mechanisms.diagnosis import LinearityTest
+from fl.mechanisms.speculation import Speculation, digest
+from fl.strategy.client import Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate
+from fl.wire.records import Layout
 from strategies.fedca import FedCAHooks, FedCAParams, FedCAServer, int_list
 from strategies.fedsu import DIGEST, FedSUHooks, FedSUParams, FedSUServer, FedSUState
 

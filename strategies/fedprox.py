@@ -6,9 +6,9 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from fl.hooks import ClientHooks
-from fl.registry import register
-from fl.strategy import ServerStrategy
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ServerStrategy
 
 
 @dataclass

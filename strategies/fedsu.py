@@ -12,19 +12,19 @@ Variants: `fedsu_v1` has no error feedback (a fixed speculation period, no check
 `fedsu_v2` speculates at random (probability p per regular scalar and round) instead of
 by linearity, with error feedback.
 
-As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
-second-order oscillation ratio R (`fl.speculation.LinearityTest`, the state of
-grafting's `OscillationRatio`), action = speculation `fl.speculation.Speculation` (a
+As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `actions`, `laws`): diagnosis = the
+second-order oscillation ratio R (`fl.mechanisms.diagnosis.LinearityTest`, the state of
+grafting's `OscillationRatio`), action = speculation `fl.mechanisms.speculation.Speculation` (a
 scalar leaves synchronisation and moves by its slope on every party), law = `below` T_R
 to enter and `error_feedback` (checks after 1, 2, 3, ... rounds, S >= T_S) to leave. v1
 leaves after a fixed period instead; v2 enters at random.
 
 Wire protocol (ours; in the paper each client derives masks and slopes itself from the
 synchronised model): the speculation state travels through the shared sync protocol
-(`fl.sync`): the anchor vector as payload (regular scalars' values; a speculated one's
+(`fl.wire.sync`): the anchor vector as payload (regular scalars' values; a speculated one's
 value when it started) and, as control state, the speculated mask, slopes and start
 ticks, as changes since the round the client last saw. The model a client trains from
-is computed from them (`fl.speculation.Speculation.values`), so a client that skipped
+is computed from them (`fl.mechanisms.speculation.Speculation.values`), so a client that skipped
 rounds gets the same bits as the server. The clock is the count of aggregations, sent
 as `fedsu-clock`. Replies carry the regular scalars' values and, for the scalars checked
 this round, the client's mean error per round it took part in (one masked payload over
@@ -35,7 +35,7 @@ Choices where the paper is silent (spec §5.2-5.3): θ = 0.99; the slope stays f
 a whole phase; a scalar leaves speculation at its speculated value (`exit_correction`
 adds ē); its R-EMAs restart from zero; errors are weighted like the model and, under
 partial participation, each client's mean error per round is scaled by the phase length
-(`fl.speculation.phase_error`); v1's period 43 and v2's probability 0.53 % are the
+(`fl.mechanisms.speculation.phase_error`); v1's period 43 and v2's probability 0.53 % are the
 paper's values for its CNN.
 """
 
@@ -48,24 +48,24 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.codec import decode, encode_masked
-from fl.hooks import ClientHooks, Reply
-from fl.laws import below
-from fl.records import Layout
-from fl.registry import register
-from fl.seeding import derive_seed
-from fl.speculation import (
+from fl.common.checkpointable import checkpointable
+from fl.common.seeding import derive_seed
+from fl.mechanisms.diagnosis import LinearityTest
+from fl.mechanisms.laws import below
+from fl.mechanisms.speculation import (
     ErrorFeedback,
-    LinearityTest,
     Speculation,
     checks_due,
     digest,
     error_feedback,
     phase_error,
 )
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
-from fl.sync import SyncClient, Synced
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.codec import decode, encode_masked
+from fl.wire.records import Layout
+from fl.wire.sync import SyncClient, Synced
 
 VARIANTS = ("fedsu", "fedsu_v1", "fedsu_v2")
 CLOCK, DIGEST = "fedsu-clock", "base-crc"

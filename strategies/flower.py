@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast, get_type_hints
 
@@ -52,13 +52,12 @@ from flwr.serverapp import strategy as flower_strategies
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-# the checks every strategy's params get (fl/config.py), applied to the Flower kwargs
-from fl.config import _has_type as has_type
-from fl.config import _type_name as type_name
-from fl.hooks import ClientHooks
-from fl.records import vector_to_arrays
-from fl.registry import register
-from fl.strategy import ClientUpdate, ServerStrategy
+# the checks every strategy's params get (fl/common/config.py), applied to the Flower kwargs
+from fl.common.config import has_type, type_name
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.records import vector_to_arrays
 from strategies.fedprox import FedProxHooks, FedProxParams
 
 __all__ = ["SUPPORTED", "FlowerHooks", "FlowerParams", "FlowerStrategy", "flower_class"]
@@ -228,17 +227,15 @@ class FlowerStrategy(ServerStrategy):
         self.flower = params.build()
         self._config_keys: dict[str, Any] = {}
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Flower's configure_train for its side effects and config keys, then ours."""
-        probe = ConfigRecord(dict(config))
+    def on_round_start(self, server_round: int) -> None:
+        """Flower's configure_train on this round's global model, for its side effects
+        (FedOpt keeps the arrays it sends) and the config keys it adds."""
+        assert self.layout is not None
+        arrays = vector_to_arrays(self.global_vector, self.layout)
+        probe = ConfigRecord()
         sent = self.flower.configure_train(server_round, arrays, probe, cast(Grid, _NoNodes()))
         assert not list(sent), "a grid without nodes gets no messages"
-        self._config_keys = {
-            k: v for k, v in probe.items() if k not in config and k != "server-round"
-        }
-        return super().configure_train(server_round, arrays, config, grid)
+        self._config_keys = {k: v for k, v in probe.items() if k != "server-round"}
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         """The keys the Flower class adds to its instructions (FedProx: `proximal-mu`)."""

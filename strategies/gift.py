@@ -12,7 +12,7 @@ are halved, the EMAs restart and W doubles. Our PROPOSAL, off by default, adds t
 opposite direction the abstract mentions: when C stays more than (1 + δ) above its low
 for W rounds in a row, local steps double again (up to the initial value).
 
-As metric grafting sees it (`fl.diagnosis`, `fl.laws`): diagnosis = the global mean of
+As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `laws`): diagnosis = the global mean of
 the consistent rate (`ConsistencyEMA`), action = the global sync period τ (the
 `local-steps` key), law = `PlateauDetector` stall, then `divide_int` by ρ, rounded up.
 """
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
-from fl.hooks import ClientHooks
-from fl.laws import divide_int
-from fl.registry import register
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.common.checkpointable import checkpointable
+from fl.mechanisms.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
+from fl.mechanisms.laws import divide_int
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
 
 
 @dataclass

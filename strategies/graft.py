@@ -5,15 +5,15 @@ Diagnosis for Efficient and Accurate Federated Learning" (TMC 2026): only its bi
 was available, so the metric catalogue, the grafts, SDMA/MDMA and the rescaling below are
 OUR design (spec algorithms_b.md §4.3), not the paper's.
 
-`strategy.action` names one action or several joined by `+` (`fl.actions`: period,
+`strategy.action` names one action or several joined by `+` (`fl.mechanisms.actions`: period,
 scalar_period, freeze, bits, sparsity, lr); `strategy.diagnosis` names one diagnosis
-(`fl.diagnosis`: loss, consistency, stepping, oscillation, relevance, significance) that
+(`fl.mechanisms.diagnosis`: loss, consistency, stepping, oscillation, relevance, significance) that
 drives them all (SDMA when there are several actions), or one per action in the same
 order (MDMA); `strategy.monitor` adds diagnoses that are only logged (`action=none`:
 FedAvg with every metric logged, the oracle's base run). Each diagnosis is observed
 once per round, after aggregation, and logged as `diagnosis_<name>` (its global mean).
 
-Laws (`fl.laws`) and how a metric is rescaled to the original's range:
+Laws (`fl.mechanisms.laws`) and how a metric is rescaled to the original's range:
 - `ratio` (AdaComm, AdaQuantFL), for period / bits / sparsity / lr: the metric is taken
   relative to its first value, m_k / m_1, which is the loss ratio's own scale (1 at the
   start, falling as training settles). τ = ceil((m_k/m_1)^e τ_0); bits = the narrowest
@@ -41,7 +41,8 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.actions import (
+from fl.common.checkpointable import checkpointable
+from fl.mechanisms.actions import (
     BIT_WIDTHS,
     FreezeMask,
     GlobalSetting,
@@ -55,7 +56,7 @@ from fl.actions import (
     shorten_periods,
     shortest_period,
 )
-from fl.diagnosis import (
+from fl.mechanisms.diagnosis import (
     DIAGNOSES,
     PlateauDetector,
     RoundView,
@@ -63,14 +64,13 @@ from fl.diagnosis import (
     make_diagnosis,
     pool,
 )
-from fl.hooks import ClientHooks, Reply
-from fl.laws import below, divide_int, ratio_law
-from fl.masking import Rollback
-from fl.records import Layout
-from fl.registry import register
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy, UploadParts
-from fl.sync import SyncClient, Synced
+from fl.mechanisms.laws import below, divide_int, ratio_law
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy, UploadParts
+from fl.wire.masking import Rollback
+from fl.wire.records import Layout
+from fl.wire.sync import SyncClient, Synced
 
 # in precedence order: freezing first, then periods, then what shapes the payload
 ACTIONS = ("freeze", "scalar_period", "period", "sparsity", "bits", "lr")

@@ -12,7 +12,7 @@ clients on non-IID data).
 Throughput is measured, not told: each reply carries `compute-s`, the client's compute
 time for the round (virtual seconds on the clock, wall seconds where there is none),
 bounded by the reply's round trip as the server saw it; v = samples / compute-s feeds a
-per-client predictor (`fl.lbbsp`: last value, EMA, NARX without load signals). A client
+per-client predictor (`fl.mechanisms.lbbsp`: last value, EMA, NARX without load signals). A client
 not measured yet is predicted at the mean of those that are; the first round is BSP.
 The batch sizes reach the clients as the `batch-size` key, which the trainer hands to the
 `batch_size` hook (and the clock charges); `predictor: none` keeps B_0 for everyone: BSP
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from fl.hooks import ClientHooks, Reply
-from fl.lbbsp import PREDICTORS, Predictor, make_predictor, proportional_sizes
-from fl.records import Layout
-from fl.registry import register
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.mechanisms.lbbsp import PREDICTORS, Predictor, make_predictor, proportional_sizes
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.records import Layout
 
 __all__ = ["LBBSPHooks", "LBBSPParams", "LBBSPServer"]
 
@@ -114,9 +114,8 @@ class LBBSPServer(ServerStrategy):
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         return {"batch-size": self.batches[node_id]}
 
-    def check_reply(self, reply: Message) -> ClientUpdate:
-        """Also a positive, finite `compute-s`, at most the round trip the server saw."""
-        update = super().check_reply(reply)
+    def check_update(self, update: ClientUpdate) -> ClientUpdate:
+        """A positive, finite `compute-s`, at most the round trip the server saw."""
         compute_s = update.metrics.get("compute-s")
         if not isinstance(compute_s, int | float) or not 0 < compute_s < math.inf:
             raise ValueError(f"'compute-s' must be a positive number, got {compute_s!r}")

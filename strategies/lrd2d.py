@@ -37,11 +37,11 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from fl.hooks import ClientHooks, Reply
-from fl.records import Layout
-from fl.registry import register
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.common.checkpointable import checkpointable
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.records import Layout
 
 AXES = ("both", "round", "inround", "none")
 ROUND_FACTOR_KEY, STEP_DECAY_KEY = "lrd-round-factor", "lrd-step-decay"

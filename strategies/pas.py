@@ -13,14 +13,14 @@ no new low for W rounds (our choice, from GIFT's reference code; the paper gives
 exact test), after which W doubles for that scalar and its EMAs restart.
 
 Wire protocol (ours; in the paper each client applies the same halvings itself): the
-periods travel through the shared sync protocol (`fl.sync`) as control state. A client
+periods travel through the shared sync protocol (`fl.wire.sync`) as control state. A client
 that replied last round gets only the indices of the scalars halved since (4 B each; it
 halves them itself), a returning client the periods changed since the round it last saw,
 a new one those that differ from τ_0; the whole period vector (2 B each) only when that
 is cheaper. The model travels dense. Replies carry one array per period group
-(`fl.codec`'s `grouped`), smallest period first.
+(`fl.wire.codec`'s `grouped`), smallest period first.
 
-As metric grafting sees it (`fl.diagnosis`, `fl.actions`, `fl.laws`): diagnosis = the
+As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `actions`, `laws`): diagnosis = the
 per-scalar consistent rate (`ConsistencyEMA`), action = per-scalar periods
 (`shorten_periods`, `PeriodGroups`), law = `PlateauDetector` stall, then `divide` by γ.
 """
@@ -35,7 +35,8 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fl.actions import (
+from fl.common.checkpointable import checkpointable
+from fl.mechanisms.actions import (
     PeriodGroups,
     group_sizes,
     period_upload_parts,
@@ -43,14 +44,13 @@ from fl.actions import (
     shorten_periods,
     shortest_period,
 )
-from fl.codec import decode, encode_grouped
-from fl.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
-from fl.hooks import ClientHooks, Reply
-from fl.records import Layout
-from fl.registry import register
-from fl.state import checkpointable
-from fl.strategy import ClientUpdate, ServerStrategy, UploadParts
-from fl.sync import SyncClient, Synced
+from fl.mechanisms.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
+from fl.strategy.client import ClientHooks, Reply
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy, UploadParts
+from fl.wire.codec import decode, encode_grouped
+from fl.wire.records import Layout
+from fl.wire.sync import SyncClient, Synced
 
 
 @dataclass
@@ -90,7 +90,7 @@ def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> to
 
 
 def synced_state(params: PASParams) -> tuple[Synced, ...]:
-    """The periods, kept in step on every client (`fl.sync`): τ_0 to start with, halved by
+    """The periods, kept in step on every client (`fl.wire.sync`): τ_0 to start with, halved by
     the same rule on both sides."""
     return (periods_synced(params.initial_period, lambda p, index: shorten(p, index, params)),)
 

@@ -7,7 +7,7 @@ read; spec §2.5). Both run on `loop=groups`: a group is R2SP's worker (its memb
 in parallel and their example-weighted mean is the group's model, the prototype's
 intra-group BSP), and the groups' transfers share the server link on the virtual clock.
 
-- Schedule (§2.2, `fl.roundrobin`): groups start in a fixed cyclic order, consecutive
+- Schedule (§2.2, `fl.mechanisms.roundrobin`): groups start in a fixed cyclic order, consecutive
   starts at least r·T/G apart (first cycle: offsets 0, r·T/G, 2·r·T/G, ...); T is an
   EMA of the groups' observed spans. The loop holds each group until its start time.
 - Update (Alg. 1, Lemma 1): a group's update is applied when it lands, on the current
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from fl.hooks import ClientHooks
-from fl.registry import register
-from fl.roundrobin import RoundRobin
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.mechanisms.roundrobin import RoundRobin
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
 
 __all__ = ["FLR2SPParams", "R2SPParams", "R2SPServer", "tuned_batches"]
 

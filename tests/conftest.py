@@ -96,8 +96,9 @@ def train_in_process(
     """The round loop of `fl-run` with these overrides (validated first, as fl-run does),
     in this process on a LocalGrid or `grid_class`: the metrics rows and the grid."""
     import clients.app as client
-    from fl.config import compose, to_run_config, validate
-    from fl.engines.local import LocalGrid
+    from fl.common.config import compose, to_run_config
+    from fl.run.engines.local import LocalGrid
+    from fl.run.validation import validate
     from server.loop import run_training
 
     cfg = compose(list(overrides))

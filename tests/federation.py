@@ -4,7 +4,7 @@ Used by every integration test of `engine=deployment` (plain, killed node, edge 
 TLS with node authentication, outsiders). Each process gets its own log (`ROOT/NAME.log`),
 its own FLWR_HOME (`ROOT/NAME/`, where it installs the FAB) and its own session, so
 `stop()` ends exactly what the test started. A federation may run inside a network
-namespace (`wrap`, see `netns_pair`), with `fl.gate` as the only way in from outside.
+namespace (`wrap`, see `netns_pair`), with `fl.net.gate` as the only way in from outside.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import tomli_w
 from conftest import OFFLINE, REPO, fl_env, fl_run_cmd, read_metrics, run_fl
 
-from fl.engines.deployment import app_files
+from fl.run.engines.deployment import app_files
 
 __all__ = [
     "BIN",
@@ -167,12 +167,12 @@ class Federation:
         _wait_listening(self.port, link, wrap=self.wrap)
 
     def start_gate(self, host: str, *flags: str) -> None:
-        """`python -m fl.gate` on `host` in front of the SuperLink; nodes dial it from now on.
+        """`python -m fl.net.gate` on `host` in front of the SuperLink; nodes dial it from now on.
 
         `flags`: the gate's TLS flags (as the SuperLink's), or `--insecure`.
         """
         port = next(self._ports)
-        cmd = [sys.executable, "-m", "fl.gate", "--listen", f"{host}:{port}"]
+        cmd = [sys.executable, "-m", "fl.net.gate", "--listen", f"{host}:{port}"]
         gate = self.start("gate", [*cmd, "--superlink", f"127.0.0.1:{self.port}", *flags])
         self.fleet = f"{host}:{port}"
         _wait_listening(port, gate, host=host, wrap=self.wrap)

@@ -67,7 +67,7 @@ PRELOAD = (
     "sklearn.datasets",
     "sklearn.model_selection",
     "matplotlib",
-    "matplotlib.pyplot",  # after matplotlib.use("Agg"), as fl/plots.py does
+    "matplotlib.pyplot",  # after matplotlib.use("Agg"), as fl/run/plots.py does
 )
 # Environment an interpreter or a preloaded library reads when it starts: a command whose
 # value differs from the server's runs in a fresh interpreter.

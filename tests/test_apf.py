@@ -9,11 +9,11 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.codec import payload_traffic
-from fl.diagnosis import PerturbationEMA
-from fl.engines.local import LocalGrid
-from fl.records import Layout
-from fl.sync import SyncServer
+from fl.mechanisms.diagnosis import PerturbationEMA
+from fl.run.engines.local import LocalGrid
+from fl.wire.codec import payload_traffic
+from fl.wire.records import Layout
+from fl.wire.sync import SyncServer
 from strategies.apf import (
     APFHooks,
     APFParams,
@@ -117,12 +117,12 @@ def test_random_freezing_is_reproducible_and_only_hits_active_scalars(variant):
 
 def test_sync_sends_changes_since_the_version_each_client_holds():
     from clients.app import app as client_app
-    from fl.config import compose, to_run_config
+    from fl.common.config import compose, to_run_config
 
     cfg = compose(["strategy=apf", "num_clients=6", "clients_per_round=3"])
     grid = LocalGrid(client_app, 6, to_run_config(cfg))
     server = APFServer(APFParams(), seed=0, clients_per_round=3)
-    from fl.task import get_task
+    from fl.world.task import get_task
 
     arrays = ArrayRecord(get_task(cfg).new_model().state_dict())
     sent1 = list(server.configure_train(1, arrays, ConfigRecord(), grid))

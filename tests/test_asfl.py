@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import read_metrics, run_fl, without_wall_time
 
-from fl.population import NodeIds
-from fl.sac import SACConfig, SACDiscrete
-from fl.strategy import ClientUpdate, ReplyInfo
+from fl.mechanisms.sac import SACConfig, SACDiscrete
+from fl.strategy.server import ClientUpdate, ReplyInfo
+from fl.world.population import NodeIds
 from strategies.asfl import (
     ASFLParams,
     ASFLServer,

@@ -8,13 +8,13 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fl.attacks import attack_kinds, attackers, rewrite_reply
-from fl.codec import decode, encode_dense, encode_masked
-from fl.config import compose, to_run_config
-from fl.engines.local import LocalGrid
-from fl.faults import InjectedCrash, fault_mod
-from fl.records import Layout
-from fl.task import get_task
+from fl.common.config import compose, to_run_config
+from fl.run.attacks import attack_kinds, attackers, rewrite_reply
+from fl.run.engines.local import LocalGrid
+from fl.run.faults import InjectedCrash, fault_mod
+from fl.wire.codec import decode, encode_dense, encode_masked
+from fl.wire.records import Layout
+from fl.world.task import get_task
 
 LAYOUT = Layout.of({"w": torch.zeros(2, 3), "b": torch.zeros(3)})
 BASE = torch.arange(9, dtype=torch.float32)
@@ -106,7 +106,7 @@ def test_update_attacks_leave_other_encodings_honest_and_say_so(caplog):
             "metrics": MetricRecord({"num-examples": 40}),
         }
     )
-    with caplog.at_level(logging.WARNING, logger="fl.attacks"):
+    with caplog.at_level(logging.WARNING, logger="fl.run.attacks"):
         assert _rewrite(masked, "sign_flip+inflate_examples") == ["inflate_examples"]
         assert _rewrite(_reply(), "scale", base=None) == []
     assert "stay honest" in caplog.text

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import python_popen
 
-from server.checkpoint import load_checkpoint
+from fl.run.checkpoint import load_checkpoint
 
 SCALARS = 8 * 2**20  # 32 MiB of float32 per checkpoint: writes take long enough to be hit
 WRITER = """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from server.checkpoint import save_checkpoint
+from fl.run.checkpoint import save_checkpoint
 
 path, atomic = Path(sys.argv[1]), sys.argv[2] == "atomic"
 for i in range(1, 1_000_000):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fl.clock import MBIT, DeviceProfile, Job, VirtualClock, build_profiles
+from fl.world.clock import MBIT, DeviceProfile, Job, VirtualClock, build_profiles
 
 
 def test_replies_arrive_in_order_of_their_round_trips():

@@ -19,8 +19,8 @@ from flwr.app import Context
 from clients.cluster import ClusterConfig, RankBatchSampler, ShareController, cluster_check
 from clients.cluster import app as cluster_app
 from clients.trainer import TrainSettings, _batches
-from fl.engines.local import LocalGrid
-from fl.hooks import ClientHooks
+from fl.run.engines.local import LocalGrid
+from fl.strategy.client import ClientHooks
 
 
 def _union_of_ranks(n: int, settings: TrainSettings, shares: list[int]) -> list[list[int]]:

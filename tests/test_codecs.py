@@ -9,7 +9,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fl.codec import (
+from fl.wire.codec import (
     Codec,
     CodecError,
     Options,
@@ -32,7 +32,7 @@ from fl.codec import (
     require,
     with_control,
 )
-from fl.records import Layout, array_to_numpy, numpy_to_array
+from fl.wire.records import Layout, array_to_numpy, numpy_to_array
 
 STATE = {"w": torch.zeros(6, 8), "b": torch.zeros(8), "steps": torch.tensor(7)}
 LAYOUT = Layout.of(STATE)  # 56 float32 scalars and one int64: d = 57

@@ -7,7 +7,7 @@ import sys
 
 from conftest import python_run
 
-from fl.compare import compare_runs, find_runs, main
+from fl.run.compare import compare_runs, find_runs, main
 
 
 def _fake_run(path, label: str, total_up: int, payload_up: int, frozen=None):
@@ -95,9 +95,9 @@ def test_seed_sweep_adds_mean_and_std_per_arm(tmp_path):
 
 
 def test_cli_help():
-    proc = python_run([sys.executable, "-m", "fl.compare", "--help"], timeout=60)
+    proc = python_run([sys.executable, "-m", "fl.run.compare", "--help"], timeout=60)
     assert proc.returncode == 0
-    assert "usage: python -m fl.compare" in proc.stdout
+    assert "usage: python -m fl.run.compare" in proc.stdout
     assert "--out DIR" in proc.stdout and "--title TEXT" in proc.stdout
     assert "sweep directory" in proc.stdout
 

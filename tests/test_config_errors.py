@@ -12,8 +12,10 @@ import pytest
 import torch
 from conftest import fl_env, fl_run_cmd, python_run
 
-from fl.config import CONF_DIR, ConfigError, compose, preflight, validate
-from fl.data import DATA_DIR_ENV
+from fl.common.config import CONF_DIR, ConfigError, compose
+from fl.run.cli import preflight
+from fl.run.validation import validate
+from fl.world.data import DATA_DIR_ENV
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 
@@ -139,7 +141,7 @@ def test_preflight_refuses_a_user_output_dir_except_for_deployment(monkeypatch):
     message = _preflight_error(["output_dir=/srv/runs/a"])
     assert "output_dir='/srv/runs/a'" in message and "hydra.run.dir=" in message
     # deployment: a path on the SuperLink's machine; its data and GPUs are not checked here
-    monkeypatch.setattr("fl.task.get_task", lambda cfg: pytest.fail("loaded data"))
+    monkeypatch.setattr("fl.world.task.get_task", lambda cfg: pytest.fail("loaded data"))
     preflight(compose(["output_dir=/srv/runs/a", "engine=deployment", "task=mnist"]))
 
 

@@ -12,8 +12,8 @@ from conftest import python_run
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from fl.config import CONF_DIR
-from fl.console import RoundReporter, flower_logs_once, human_bytes, human_seconds
+from fl.common.config import CONF_DIR
+from fl.run.console import RoundReporter, flower_logs_once, human_bytes, human_seconds
 
 ROW = {
     "round": 3,

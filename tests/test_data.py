@@ -1,4 +1,4 @@
-"""Tests for fl.data: bundled, generated and file-backed datasets, none downloaded."""
+"""Tests for fl.world.data: bundled, generated and file-backed datasets, none downloaded."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 import torchvision.datasets.cifar
 import torchvision.datasets.mnist
 
-from fl.config import DATASETS
-from fl.data import (
+from fl.world.data import (
     DATA_DIR_ENV,
     DATASET_NAMES,
     Dataset,
     DatasetNotFoundError,
     load_dataset,
 )
+from fl.world.task import DATASETS
 
 
 @pytest.fixture(autouse=True)

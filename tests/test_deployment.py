@@ -17,8 +17,8 @@ from federation import running_federation, submit
 from flwr.cli.build import build_fab_from_disk
 from omegaconf import OmegaConf
 
-from fl.config import CONF_DIR
-from fl.engines.deployment import (
+from fl.common.config import CONF_DIR
+from fl.run.engines.deployment import (
     CONNECTION,
     REPO,
     app_files,

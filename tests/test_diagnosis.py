@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fl.diagnosis import ConsistencyEMA, PlateauDetector, consistency, consistency_ratio
+from fl.mechanisms.diagnosis import ConsistencyEMA, PlateauDetector, consistency, consistency_ratio
 
 
 def test_consistency_of_one_round_by_hand():

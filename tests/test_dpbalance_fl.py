@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import fl_run_cmd, python_popen, python_run, read_metrics
 
-from fl.config import compose
-from fl.task import get_task
+from fl.common.config import compose
+from fl.world.task import get_task
 from privacy.ledger import Ledger
 from privacy.rounds import RoundPrivacy
 

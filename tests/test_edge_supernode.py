@@ -155,10 +155,10 @@ ONE_ROUND = """
 from flwr.app import ArrayRecord, ConfigRecord
 
 from clients.app import app
-from fl.config import compose, to_run_config
-from fl.engines.local import LocalGrid
-from fl.registry import get_strategy
-from fl.task import get_task
+from fl.common.config import compose, to_run_config
+from fl.run.engines.local import LocalGrid
+from fl.strategy.registry import get_strategy
+from fl.world.task import get_task
 
 cfg = compose(["num_clients=2", "clients_per_round=2", "local_epochs=1"])
 grid = LocalGrid(app, 2, to_run_config(cfg))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fl.clock import (
+from fl.world.clock import (
     MBIT,
     Arrival,
     AvailabilityTrace,

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import read_metrics, run_fl
 
-from fl.faults import draw_fault
+from fl.run.faults import draw_fault
 
 
 def test_fault_draws_match_rates_and_are_reproducible():

@@ -12,7 +12,11 @@ from flwr.app import ConfigRecord, Message, MessageType, Metadata, MetricRecord,
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.clock import (
+from fl.mechanisms.diagnosis import LinearityTest
+from fl.strategy.client import ClientTime
+from fl.wire.codec import decode, encode_dense, payload_traffic
+from fl.wire.records import Layout
+from fl.world.clock import (
     DeviceProfile,
     Job,
     ToggleTrace,
@@ -20,10 +24,6 @@ from fl.clock import (
     build_profiles,
     clock_from_config,
 )
-from fl.codec import decode, encode_dense, payload_traffic
-from fl.hooks import ClientTime
-from fl.records import Layout
-from fl.speculation import LinearityTest
 from strategies.fedca import (
     FedCAHooks,
     FedCAParams,

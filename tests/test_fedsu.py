@@ -1,4 +1,4 @@
-"""FedSU: the speculation mechanics (fl.speculation) and the plugin end to end."""
+"""FedSU: the speculation mechanics (fl.mechanisms.speculation) and the plugin end to end."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from conftest import read_metrics, run_fl, without_wall_time
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from fl.codec import encode_dense, payload_traffic
-from fl.records import Layout
-from fl.speculation import (
+from fl.mechanisms.diagnosis import LinearityTest
+from fl.mechanisms.speculation import (
     ErrorFeedback,
-    LinearityTest,
     Speculation,
     checks_due,
     digest,
     error_ratio,
     phase_error,
 )
+from fl.wire.codec import encode_dense, payload_traffic
+from fl.wire.records import Layout
 from strategies.fedsu import (
     FedSUHooks,
     FedSUParams,

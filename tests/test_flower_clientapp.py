@@ -7,10 +7,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp.strategy import FedAvg
 
 from clients.app import app as client_app
-from fl.config import compose, to_run_config
-from fl.contract import CONTRACT_MISMATCH, ContractMismatch, stamp
-from fl.engines.local import LocalGrid
-from fl.task import get_task
+from fl.common.config import compose, to_run_config
+from fl.run.engines.local import LocalGrid
+from fl.wire.contract import CONTRACT_MISMATCH, ContractMismatch, stamp
+from fl.world.task import get_task
 from server.loop import run_training
 
 SMALL = ["num_clients=3", "clients_per_round=3", "local_epochs=1"]

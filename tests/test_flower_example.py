@@ -11,8 +11,8 @@ from conftest import REPO, fl_env
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from netns import in_netns, require_netns
 
-from fl.contract import CONTRACT_MISMATCH, stamp
-from fl.engines.local import LocalGrid
+from fl.run.engines.local import LocalGrid
+from fl.wire.contract import CONTRACT_MISMATCH, stamp
 
 
 def _rows(stdout: str) -> tuple[list[dict], dict]:

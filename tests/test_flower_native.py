@@ -13,11 +13,12 @@ from flwr.clientapp import ClientApp
 from netns import in_netns, require_netns
 from torch import nn
 
-from fl.codec import encode_dense
-from fl.config import ConfigError, compose, validate
-from fl.engines.local import LocalGrid
-from fl.records import Layout
-from server.checkpoint import load_checkpoint, save_checkpoint
+from fl.common.config import ConfigError, compose
+from fl.run.checkpoint import load_checkpoint, save_checkpoint
+from fl.run.engines.local import LocalGrid
+from fl.run.validation import validate
+from fl.wire.codec import encode_dense
+from fl.wire.records import Layout
 from strategies.flower import SUPPORTED, FlowerHooks, FlowerParams, FlowerStrategy, flower_class
 
 GLOBAL = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}

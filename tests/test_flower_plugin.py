@@ -51,7 +51,7 @@ def test_plugin_strategy_steps_by_its_server_lr(site, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
     from fl_example_plugin.fedavg_slr import SLRParams, SLRServer
 
-    from fl.strategy import ClientUpdate
+    from fl.strategy.server import ClientUpdate
 
     server = SLRServer(SLRParams(server_lr=0.25), seed=0, clients_per_round=2)
     server.global_vector = torch.zeros(3)

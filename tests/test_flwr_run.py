@@ -25,7 +25,7 @@ from flwr.superlink.grid import InMemoryGrid
 from netns import in_netns, require_netns
 from omegaconf import OmegaConf
 
-from fl.engines.local import LocalGrid
+from fl.run.engines.local import LocalGrid
 from server.nodes import (
     NODE_WAIT_S,
     FederationError,

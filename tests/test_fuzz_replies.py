@@ -30,11 +30,11 @@ from flwr.serverapp import Grid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fl.codec import bitmap, encode_dense, encode_masked, payload_traffic
-from fl.engines.local import LocalGrid
-from fl.records import Layout, array_to_numpy, arrays_to_vector, numpy_to_array
-from fl.robust import ExampleBounds
-from fl.strategy import ServerStrategy
+from fl.mechanisms.robust import ExampleBounds
+from fl.run.engines.local import LocalGrid
+from fl.strategy.server import ServerStrategy
+from fl.wire.codec import bitmap, encode_dense, encode_masked, payload_traffic
+from fl.wire.records import Layout, array_to_numpy, arrays_to_vector, numpy_to_array
 from strategies.fedavg import FedAvgParams
 
 GLOBAL = {
@@ -384,7 +384,7 @@ def test_every_fault_kind_is_rejected_with_a_reason(fault, data, caplog):
         max_update_norm=MAX_NORM,
         max_payload_bytes=MAX_PAYLOAD,
     )
-    with caplog.at_level("WARNING", logger="fl.strategy"):
+    with caplog.at_level("WARNING", logger="fl.strategy.server"):
         _check_round([example], strategy)
     assert strategy.stats.rejected == 1
     assert "rejected reply of node" in caplog.text

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import read_metrics, run_fl, without_wall_time
 
-from fl.strategy import ClientUpdate
+from fl.strategy.server import ClientUpdate
 from strategies.gift import FrequencyState, GIFTParams, GIFTServer, tune_frequency
 
 

@@ -8,9 +8,8 @@ import torch
 from conftest import train_in_process
 from flwr.app import RecordDict
 
-from fl.actions import bit_width, decode_update, encode_update
-from fl.codec import payload_traffic
-from fl.diagnosis import (
+from fl.mechanisms.actions import bit_width, decode_update, encode_update
+from fl.mechanisms.diagnosis import (
     ConsistencyRate,
     LossRatio,
     OscillationRatio,
@@ -20,8 +19,9 @@ from fl.diagnosis import (
     SteppingRate,
     pool,
 )
-from fl.laws import aimd, divide, divide_int, ratio_law
-from fl.records import Layout
+from fl.mechanisms.laws import aimd, divide, divide_int, ratio_law
+from fl.wire.codec import payload_traffic
+from fl.wire.records import Layout
 from strategies.graft import GraftParams, fresh_state, steer
 
 

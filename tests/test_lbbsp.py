@@ -13,9 +13,9 @@ from conftest import train_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fl.lbbsp import EMA, NARX, LastValue, LeaderStraggler, proportional_sizes
-from fl.strategy import ClientUpdate
-from server.checkpoint import load_checkpoint
+from fl.mechanisms.lbbsp import EMA, NARX, LastValue, LeaderStraggler, proportional_sizes
+from fl.run.checkpoint import load_checkpoint
+from fl.strategy.server import ClientUpdate
 from strategies.lbbsp import LBBSPParams, LBBSPServer
 
 

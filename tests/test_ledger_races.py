@@ -19,7 +19,7 @@ import pytest
 from conftest import python_run
 from omegaconf import DictConfig
 
-from fl.config import compose
+from fl.common.config import compose
 from privacy.dpbalance import FCFS, DPBalance, Pipeline
 from privacy.dpsgd import DPSGD
 from privacy.ledger import BudgetExceeded, LeaseLost, Ledger, LedgerError, new_holder

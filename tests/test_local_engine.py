@@ -14,7 +14,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from fl.engines.local import LocalGrid
+from fl.run.engines.local import LocalGrid
 
 
 def _counting_app() -> ClientApp:

@@ -13,7 +13,8 @@ import pytest
 from conftest import train_in_process, without_wall_time
 
 import clients.app as client
-from fl.config import ConfigError, compose, validate
+from fl.common.config import ConfigError, compose
+from fl.run.validation import validate
 
 BASE = [
     "num_clients=8",
@@ -133,7 +134,7 @@ def test_clients_see_their_device_and_deadline(tmp_path: Path, monkeypatch) -> N
 
 
 def test_a_strategy_sets_its_own_semi_async_close_per_round(tmp_path: Path, monkeypatch) -> None:
-    from fl.strategy import ServerStrategy
+    from fl.strategy.server import ServerStrategy
 
     monkeypatch.setattr(
         ServerStrategy, "arrivals_to_close", lambda self, rnd: 1 if rnd == 2 else None
@@ -145,7 +146,7 @@ def test_a_strategy_sets_its_own_semi_async_close_per_round(tmp_path: Path, monk
 def test_a_strategy_runs_several_exchanges_per_round_each_accounted(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from fl.strategy import ServerStrategy
+    from fl.strategy.server import ServerStrategy
 
     one = _run(tmp_path / "one", "rounds=2", "clients_per_round=4")
     monkeypatch.setattr(ServerStrategy, "another_exchange", lambda self, rnd, done: done < 3)

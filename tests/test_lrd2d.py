@@ -13,8 +13,8 @@ from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.records import Layout
-from fl.strategy import ClientUpdate
+from fl.strategy.server import ClientUpdate
+from fl.wire.records import Layout
 from strategies.lrd2d import (
     DecaySchedule,
     LRDHooks,

@@ -1,4 +1,4 @@
-"""Tests for fl.models: output shapes, parameter counts and layer choices."""
+"""Tests for fl.world.models: output shapes, parameter counts and layer choices."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fl.models import MODEL_NAMES, build_model
+from fl.world.models import MODEL_NAMES, build_model
 
 IMAGE_SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 FLAT_MODELS = ["logreg", "mlp"]

@@ -3,7 +3,7 @@
 Without processes: the allow-list grid (`server.nodes.AllowedGrid`), the partition map's
 refusals, the config key and the gate's path filter. With real processes, in two network
 namespaces joined by a veth pair: namespace A holds the SuperLink (127.0.0.1 only, TLS,
-node authentication), `fl.gate` on A's veth address (the Fleet API and nothing else), the
+node authentication), `fl.net.gate` on A's veth address (the Fleet API and nothing else), the
 operator's `flwr` CLI, `fl-run` and the SuperNodes; namespace B holds an outsider with
 `ca.pem` and a key of its own, reaching A only through the veth pair.
 """
@@ -27,10 +27,11 @@ from flwr.clientapp import ClientApp
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.supercore.primitives.asymmetric import public_key_to_bytes
 
-from fl.config import ConfigError, compose, validate
-from fl.engines.local import LocalGrid
-from fl.gate import is_forwarded
-from fl.tls import fingerprint, make_node_key, write_bundle, write_node_key
+from fl.common.config import ConfigError, compose
+from fl.net.gate import is_forwarded
+from fl.net.tls import fingerprint, make_node_key, write_bundle, write_node_key
+from fl.run.engines.local import LocalGrid
+from fl.run.validation import validate
 from server.nodes import (
     AllowedGrid,
     FederationError,
@@ -157,7 +158,7 @@ def test_the_gate_passes_fleet_calls_only(method, path, query, passes):
 
 @dataclass
 class Walled(Federation):
-    """Namespace A's federation behind `fl.gate`; `outsider` runs things in namespace B."""
+    """Namespace A's federation behind `fl.net.gate`; `outsider` runs things in namespace B."""
 
     outsider: Wrap | None = None
     public: str = ""  # A's veth address, the only one B can reach

@@ -1,4 +1,4 @@
-"""Tests for fl.partition: coverage, determinism, skew and per-scheme guarantees."""
+"""Tests for fl.world.partition: coverage, determinism, skew and per-scheme guarantees."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fl.partition import SCHEMES, partition_indices
+from fl.world.partition import SCHEMES, partition_indices
 
 LABELS = np.random.default_rng(0).integers(0, 10, 1000)
 GROUPS = np.repeat(np.arange(10), 100)

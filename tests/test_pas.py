@@ -9,10 +9,10 @@ from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.clock import DeviceProfile, Job, VirtualClock
-from fl.codec import CodecError, decode, encode_dense, encode_grouped, payload_traffic
-from fl.records import Layout
-from fl.sync import SyncServer
+from fl.wire.codec import CodecError, decode, encode_dense, encode_grouped, payload_traffic
+from fl.wire.records import Layout
+from fl.wire.sync import SyncServer
+from fl.world.clock import DeviceProfile, Job, VirtualClock
 from strategies.pas import (
     PASHooks,
     PASParams,
@@ -75,7 +75,7 @@ def _model() -> tuple[nn.Module, Layout]:
 def _train_content(
     layout: Layout, vector: torch.Tensor, periods: torch.Tensor, **config
 ) -> RecordDict:
-    """What the server sends a new client: the dense model and the periods (via fl.sync)."""
+    """What the server sends a new client: the dense model and the periods (via fl.wire.sync)."""
     sync = SyncServer(synced_state(PASParams(initial_period=int(periods.max()))))
     sync.publish(1, {"periods": periods})
     records, _ = sync.records(0, layout)

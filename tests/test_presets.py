@@ -23,7 +23,7 @@ import yaml
 from conftest import REPO, fl_run_cmd, python_run
 from omegaconf import DictConfig, OmegaConf
 
-from fl.compare import find_runs, load_run
+from fl.run.compare import find_runs, load_run
 
 CONF = REPO / "conf"
 EXPERIMENTS = CONF / "experiment"
@@ -171,7 +171,7 @@ class Arm:
 
 def _arms(out: Path) -> list[Arm]:
     """Every run under `out` (a sweep directory, or `out/run` for a single run), found and
-    read as `fl.compare` reads them for the comparison table."""
+    read as `fl.run.compare` reads them for the comparison table."""
     arms = []
     for run_dir in find_runs(out) or find_runs(out / "run"):
         run = load_run(run_dir)

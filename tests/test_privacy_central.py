@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import fl_run_cmd, python_popen, python_run, read_metrics
 
-from fl.config import ConfigError, compose, validate
-from fl.records import Layout
-from fl.task import get_task
+from fl.common.config import ConfigError, compose
+from fl.run.validation import validate
+from fl.wire.records import Layout
+from fl.world.task import get_task
 
 RUN = ["privacy=central", "num_clients=4", "clients_per_round=4", "rounds=3", "local_epochs=1"]
 

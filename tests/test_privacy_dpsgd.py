@@ -25,9 +25,10 @@ from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
 
 from clients.trainer import TrainSettings, train_locally
-from fl.config import ConfigError, compose, validate
-from fl.hooks import ClientHooks
-from fl.task import get_task
+from fl.common.config import ConfigError, compose
+from fl.run.validation import validate
+from fl.strategy.client import ClientHooks
+from fl.world.task import get_task
 from privacy.dpsgd import DPSGD, Plan, PrivateTraining, account, epsilon_of, history_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl.data import load_dataset
-from fl.procedural import SHAPES, generate_shapes
+from fl.world.data import load_dataset
+from fl.world.procedural import SHAPES, generate_shapes
 
 
 def test_same_seed_same_images_other_seed_other_images() -> None:

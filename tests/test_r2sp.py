@@ -13,13 +13,13 @@ import torch
 from conftest import read_metrics, run_fl, train_in_process, without_wall_time
 from flwr.app import RecordDict
 
-from fl.clock import DeviceProfile, VirtualClock
-from fl.codec import Traffic
-from fl.errors import RunError
-from fl.loops import LoopSettings, RoundDriver, _reply
-from fl.population import NodeIds
-from fl.roundrobin import RoundRobin
-from fl.strategy import ClientUpdate
+from fl.common.errors import RunError
+from fl.mechanisms.roundrobin import RoundRobin
+from fl.run.loops import LoopSettings, RoundDriver, _reply
+from fl.strategy.server import ClientUpdate
+from fl.wire.codec import Traffic
+from fl.world.clock import DeviceProfile, VirtualClock
+from fl.world.population import NodeIds
 from strategies.r2sp import FLR2SPParams, R2SPParams, R2SPServer, tuned_batches
 
 FAST = 1e12  # a client link far faster than the server's

@@ -17,9 +17,9 @@ from conftest import train_in_process
 from flwr.app import Message
 
 import server.loop
-from fl.config import compose
-from fl.engines.local import LocalGrid
-from fl.loops import RealArrivals, loop_settings
+from fl.common.config import compose
+from fl.run.engines.local import LocalGrid
+from fl.run.loops import RealArrivals, loop_settings
 
 # Seconds from send to arrival, by partition: the reverse of partition order, so a loop
 # that fell back to partition (or virtual) order would land the wrong replies.

@@ -4,8 +4,8 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from fl.codec import CodecError, Traffic, decode, encode_dense, encode_masked, payload_traffic
-from fl.records import Layout
+from fl.wire.codec import CodecError, Traffic, decode, encode_dense, encode_masked, payload_traffic
+from fl.wire.records import Layout
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ def test_dense_records_hold_the_arrays_flowers_own_constructors_build(state):
 def test_new_record_is_flowers_record_with_flowers_checks(kind, items, bad):
     import flwr.app
 
-    from fl.records import new_record
+    from fl.wire.records import new_record
 
     record_type = getattr(flwr.app, kind)
     if kind == "RecordDict":  # records of records

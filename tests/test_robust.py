@@ -13,10 +13,11 @@ from conftest import read_metrics, run_fl
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
-from fl.config import ConfigError, compose, validate
-from fl.engines.local import LocalGrid
-from fl.robust import Aggregator, ExampleBounds, example_bounds, robust_options
-from fl.strategy import ClientUpdate
+from fl.common.config import ConfigError, compose
+from fl.mechanisms.robust import Aggregator, ExampleBounds, example_bounds, robust_options
+from fl.run.engines.local import LocalGrid
+from fl.run.validation import validate
+from fl.strategy.server import ClientUpdate
 from strategies.gift import GIFTParams, GIFTServer
 
 SHAPES = {"w": (3, 4), "b": (4,)}
@@ -147,7 +148,7 @@ def test_krum_at_exactly_2f_plus_3_and_bulyan_at_4f_plus_3_are_accepted():
 def test_a_round_with_too_few_replies_for_bulyan_keeps_the_global_model():
     from test_strategy import GLOBAL, LAYOUT, _client  # a 4-node federation
 
-    from fl.strategy import ServerStrategy
+    from fl.strategy.server import ServerStrategy
     from strategies.fedavg import FedAvgParams
 
     grid = LocalGrid(_client({}), 4, {})

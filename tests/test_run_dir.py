@@ -15,7 +15,7 @@ import torch
 import yaml
 from conftest import REPO, fl_run_cmd, python_run, read_metrics, run_fl, without_wall_time
 
-from server.checkpoint import CheckpointError, check_resumable, load_checkpoint
+from fl.run.checkpoint import CheckpointError, check_resumable, load_checkpoint
 
 # Stateful on both sides (APF: freezing state on the server, synced copies on clients).
 RUN = [
@@ -111,7 +111,7 @@ def test_resume_with_another_strategy_is_refused_before_anything_is_written(runs
     ],
 )
 def test_a_config_change_is_refused_naming_the_key_and_both_values(runs, override, key):
-    from fl.config import compose, plain
+    from fl.common.config import compose, plain
 
     saved = load_checkpoint(runs / "three" / "checkpoint.pt")["config"]
     current = plain(compose([*RUN, "rounds=3", override, f"output_dir={runs / 'three'}"]))

@@ -17,14 +17,14 @@ import torch
 from conftest import train_in_process, without_wall_time
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fl.config import compose
-from fl.data import SyntheticDevices
-from fl.engines.local import LocalGrid
-from fl.engines.node_states import NodeStates
-from fl.loops import LoopSettings, RoundDriver
-from fl.population import NodeIds, PartitionMap, member
-from fl.task import get_task
-from server.checkpoint import load_checkpoint, save_checkpoint
+from fl.common.config import compose
+from fl.run.checkpoint import load_checkpoint, save_checkpoint
+from fl.run.engines.local import LocalGrid
+from fl.run.engines.node_states import NodeStates
+from fl.run.loops import LoopSettings, RoundDriver
+from fl.world.data import SyntheticDevices
+from fl.world.population import NodeIds, PartitionMap, member
+from fl.world.task import get_task
 
 SMALL_TASK = ["task=synthetic", "partition=natural", "task.options.dim=8", "task.hidden=[8]"]
 # APF keeps a synced copy of the model and mask on each client it trained (Context.state).

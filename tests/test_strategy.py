@@ -9,11 +9,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl.codec import encode_dense
-from fl.engines.local import LocalGrid
-from fl.records import Layout
-from fl.robust import ExampleBounds
-from fl.strategy import ServerStrategy
+from fl.mechanisms.robust import ExampleBounds
+from fl.run.engines.local import LocalGrid
+from fl.strategy.server import ServerStrategy
+from fl.wire.codec import encode_dense
+from fl.wire.records import Layout
 from strategies.fedavg import FedAvgParams
 
 GLOBAL = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
@@ -126,7 +126,7 @@ def test_a_claim_of_a_trillion_examples_is_clipped_to_the_partition_size(caplog)
     # the reply of partition 3 is honest (value 4) but claims 10^12 examples
     _, arrays, _ = _round({3: "inflate"})
     assert _global(arrays)[0] == pytest.approx(4.0, abs=1e-6)  # the old behaviour: it decides
-    with caplog.at_level("WARNING", logger="fl.strategy"):
+    with caplog.at_level("WARNING", logger="fl.strategy.server"):
         strategy, arrays, metrics = _round({3: "inflate"}, bounded=True)
     assert torch.allclose(_global(arrays), torch.full((6,), 3.0))  # the honest weighted mean
     assert metrics["num-examples"] == 10

@@ -9,10 +9,10 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fl.codec import CodecError, payload_traffic
-from fl.packing import pack, packed_bytes, unpack
-from fl.records import Layout, numpy_to_array
-from fl.sync import SyncClient, Synced, SyncServer
+from fl.wire.codec import CodecError, payload_traffic
+from fl.wire.packing import pack, packed_bytes, unpack
+from fl.wire.records import Layout, numpy_to_array
+from fl.wire.sync import SyncClient, Synced, SyncServer
 
 N = 1000
 LAYOUT = Layout(("w",), ((N,),), (torch.float32,))

@@ -1,6 +1,6 @@
 """A TLS SuperLink with SuperNode authentication: registered nodes train, intruders are refused.
 
-Certificates and node keys come from `fl.tls` (the repo's generator). On 127.0.0.1: a
+Certificates and node keys come from `fl.net.tls` (the repo's generator). On 127.0.0.1: a
 SuperLink with `--ssl-*` and `--enable-supernode-auth`, two SuperNodes whose public keys
 were registered with `flwr supernode register`, and three that must be turned away: an
 unregistered key, no key at all, and a registered key without the CA certificate.
@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from federation import TWO_ROUNDS, Federation, local_rows, submit
 from flwr.cli.supernode.register import try_load_public_key
 
-from fl.tls import FINGERPRINT, fingerprint, is_allowlist, main, write_bundle
+from fl.net.tls import FINGERPRINT, fingerprint, is_allowlist, main, write_bundle
 
 REFUSED = "Exit Code: 305"  # flwr's SUPERNODE_CONNECTION_ERROR, logged before the node exits
 INTRUDERS = {

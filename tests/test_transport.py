@@ -1,4 +1,4 @@
-"""The bulk side channel (fl.transport) and the streamed weighted mean (fl.streaming).
+"""The bulk side channel (fl.net.transport) and the streamed weighted mean (fl.wire.streaming).
 
 Everything runs for real on 127.0.0.1: the gRPC bulk service, the node's fetch and upload,
 the Grid wrapper around a LocalGrid whose nodes run a ClientApp with `bulk_mod`, and, where
@@ -26,13 +26,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from omegaconf import OmegaConf
 
-from fl.config import CONF_DIR, compose, to_run_config, validate
-from fl.engines.local import LocalGrid
-from fl.records import numpy_to_array
-from fl.robust import Aggregator, weighted_mean
-from fl.strategy import ClientUpdate, ServerStrategy
-from fl.streaming import BLOCK, COMPILED_MIN, _torch_mean, streamed_weighted_mean
-from fl.transport import (
+from fl.common.config import CONF_DIR, compose, to_run_config
+from fl.mechanisms.robust import Aggregator, weighted_mean
+from fl.net.transport import (
     BulkGrid,
     TransportSettings,
     TransportUnavailable,
@@ -40,12 +36,17 @@ from fl.transport import (
     nixl_available,
     transport_grid,
 )
-from fl.transport.digest import PIECE, blob_digest
-from fl.transport.offer import OFFER, Offer
-from fl.transport.peer import fetch, upload
-from fl.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
-from fl.transport.service import BulkService
-from fl.transport.store import BlobStore
+from fl.net.transport.digest import PIECE, blob_digest
+from fl.net.transport.offer import OFFER, Offer
+from fl.net.transport.peer import fetch, upload
+from fl.net.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
+from fl.net.transport.service import BulkService
+from fl.net.transport.store import BlobStore
+from fl.run.engines.local import LocalGrid
+from fl.run.validation import validate
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.records import numpy_to_array
+from fl.wire.streaming import BLOCK, COMPILED_MIN, _torch_mean, streamed_weighted_mean
 from server.loop import run_training
 
 NEEDS_NIXL = pytest.mark.skipif(nixl_available() is not None, reason="NIXL does not import")
@@ -226,7 +227,7 @@ def test_more_bytes_than_declared_are_cut_off_both_ways():
         shorter = dataclasses.replace(reference, nbytes=100)  # a peer lying about the size
         with pytest.raises(ReferenceError, match="more than the 100 B declared"):
             fetch(offer, shorter)
-        stream = grpc.insecure_channel(service.address).stream_unary("/fl.transport.Bulk/Store")
+        stream = grpc.insecure_channel(service.address).stream_unary("/fl.net.transport.Bulk/Store")
         chunks = iter([b"x" * 600, b"x" * 600])
         meta = (("token", token), ("sha256", "0" * 64), ("nbytes", "1000"))
         with pytest.raises(grpc.RpcError) as cut:

@@ -1,4 +1,4 @@
-"""The node's bulk agent (fl.transport.sidecar): shared memory, its protocol, its limits.
+"""The node's bulk agent (fl.net.transport.sidecar): shared memory, its protocol, its limits.
 
 The sidecar runs for real (in a thread of this process, or as its own process for the
 exit tests) on a Unix socket, against a real gRPC bulk service on 127.0.0.1, and behind
@@ -29,17 +29,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
-from fl.engines.local import LocalGrid
-from fl.records import numpy_to_array
-from fl.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
-from fl.transport.control import MAX_PACKET, ControlError, receive, send
-from fl.transport.links import NODE_CONFIG_KEY, SidecarLink
-from fl.transport.offer import Offer
-from fl.transport.reference import Packer
-from fl.transport.segments import GRAIN, SegmentError, SegmentPool
-from fl.transport.service import BulkService
-from fl.transport.sidecar import Sidecar
-from fl.transport.store import BlobStore
+from fl.net.transport import BulkGrid, TransportSettings, bulk_mod, nixl_available
+from fl.net.transport.control import MAX_PACKET, ControlError, receive, send
+from fl.net.transport.links import NODE_CONFIG_KEY, SidecarLink
+from fl.net.transport.offer import Offer
+from fl.net.transport.reference import Packer
+from fl.net.transport.segments import GRAIN, SegmentError, SegmentPool
+from fl.net.transport.service import BulkService
+from fl.net.transport.sidecar import Sidecar
+from fl.net.transport.store import BlobStore
+from fl.run.engines.local import LocalGrid
+from fl.wire.records import numpy_to_array
 
 NEEDS_NIXL = pytest.mark.skipif(nixl_available() is not None, reason="NIXL does not import")
 
@@ -359,7 +359,7 @@ def test_the_agent_process_cleans_up_on_exit_and_replaces_a_stale_socket(short_d
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(str(path))  # a socket file nobody listens on (a killed agent's)
     stale.close()
-    cmd = ["-m", "fl.transport.sidecar", "--socket", str(path), "--no-nixl"]
+    cmd = ["-m", "fl.net.transport.sidecar", "--socket", str(path), "--no-nixl"]
     proc = python_popen([sys.executable, *cmd])
     try:
         deadline = time.monotonic() + 30

@@ -18,13 +18,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 import clients.app as client
-from fl.codec import Traffic, encode_dense, encode_masked, payload_traffic
-from fl.config import ConfigError, compose, to_run_config, validate
-from fl.engines.local import LocalGrid
-from fl.errors import RunError
-from fl.records import Layout, numpy_to_array
-from fl.strategy import ServerStrategy
-from fl.task import get_task
+from fl.common.config import ConfigError, compose, to_run_config
+from fl.common.errors import RunError
+from fl.run.engines.local import LocalGrid
+from fl.run.validation import validate
+from fl.strategy.server import ServerStrategy
+from fl.wire.codec import Traffic, encode_dense, encode_masked, payload_traffic
+from fl.wire.records import Layout, numpy_to_array
+from fl.world.task import get_task
 from privacy.central import CentralDP, wrap_central_dp
 from privacy.dpsgd import DPSGD
 from server.loop import _asked_samples, run_training

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.hooked import train_with_hooks
-from fl.contract import stamp
-from fl.registry import get_strategy
+from fl.strategy.registry import get_strategy
+from fl.wire.contract import stamp
 
 __all__ = ["clientapp", "serverapp"]
 

@@ -20,7 +20,8 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 __all__ = ["StrategyConfigSearchPath", "plugin_conf_dirs"]
 
-GROUP = "fl.strategies"  # fl.registry.ENTRY_POINT_GROUP (not imported: keep Hydra's scan light)
+# fl.strategy.registry.ENTRY_POINT_GROUP, not imported: keep Hydra's scan light
+GROUP = "fl.strategies"
 PROJECT_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fl.hooks import ClientHooks
-from fl.registry import register
-from fl.strategy import ClientUpdate, ServerStrategy
+from fl.strategy.client import ClientHooks
+from fl.strategy.registry import register
+from fl.strategy.server import ClientUpdate, ServerStrategy
 
 
 @dataclass

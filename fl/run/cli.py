@@ -1,0 +1,133 @@
+"""`fl-run`: the Hydra entry point (also `python -m fl.run`).
+
+Composes and validates the config, makes sure the output directory holds no other run
+(unless `resume=true` or `overwrite=true`), then hands the resolved config to the
+chosen engine with the ServerApp and ClientApp it loads by reference (`fl.run.apps`).
+Problems the user can fix end in one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+import fl  # noqa: F401  (sets the offline environment before Flower is imported)
+from fl.common.config import CONF_DIR, ConfigError, plain, require, to_run_config
+from fl.common.errors import RunError
+from fl.run.apps import Apps
+from fl.run.engines import run_engine
+from fl.run.settings import OUTPUT_DIR_RULE
+from fl.run.tracking import refuse_existing_run
+from fl.run.validation import validate
+
+__all__ = ["latest_run", "main", "preflight"]
+
+log = logging.getLogger(__name__)
+OUTPUTS = Path("outputs")  # where `hydra.run.dir` points by default (conf/config.yaml)
+OVERRIDES = Path(".hydra") / "overrides.yaml"  # the command line of a run, for labels and resume
+
+
+def _save_overrides(out_dir: Path, *, resume: bool) -> None:
+    """Keep this command line beside the run (Hydra's own copy is off: it would overwrite)."""
+    path = out_dir / OVERRIDES
+    if resume and path.exists():
+        return  # a resume keeps the command line that started the run
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(list(HydraConfig.get().overrides.task)))
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def _main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validate(cfg)
+        preflight(cfg)  # the user's output_dir; device, data files and partition sizes
+        refuse_existing_run(out_dir, resume=bool(cfg.resume), overwrite=bool(cfg.get("overwrite")))
+        _save_overrides(out_dir, resume=bool(cfg.resume))
+        with open_dict(cfg):
+            cfg.output_dir = str(out_dir)
+            cfg.resume = _fork(cfg, out_dir) or cfg.resume
+        print(f"fl-run: run directory {out_dir}", flush=True)
+        run_engine(cfg, to_run_config(cfg), Apps.load())
+    except (ConfigError, RunError) as err:
+        raise SystemExit(f"fl-run: {err}") from None
+
+
+def preflight(cfg: DictConfig) -> None:
+    """fl-run's checks of the user's config before it sets `output_dir` and starts the engine.
+
+    Refuses a user-given `output_dir` (fl-run sets it; only engine=deployment takes one, an
+    absolute path on the SuperLink's machine). Unless the clients run elsewhere
+    (deployment), builds the task as the ServerApp will: the device exists, the dataset's
+    files are there and the partition gives every client its examples. The task is
+    cached, so the ServerApp in this process (local, flower-sim) does not load it again.
+    """
+    explicit = cfg.get("output_dir")
+    deployment = cfg.engine.name == "deployment"
+    require(explicit is None or deployment, "output_dir", explicit, OUTPUT_DIR_RULE)
+    if not deployment:
+        from fl.world.task import get_task  # torch and the data: not for `fl-run --version`
+
+        get_task(cfg)
+
+
+def _fork(cfg: DictConfig, out_dir: Path) -> bool:
+    """`fork_from`: put the source's checkpoint into this new run directory; whether the run
+    is to resume from it (not when it already holds the fork's own checkpoint: resume)."""
+    spec = cfg.get("fork_from")
+    if not spec or (cfg.resume and (out_dir / "checkpoint.pt").exists()):
+        return False
+    if cfg.engine.name == "deployment":
+        raise ConfigError(
+            "invalid config: fork_from: needs the run directory on this machine "
+            "(engine=local or flower-sim)"
+        )
+    from fl.run.checkpoint import fork_into  # torch: not for `fl-run --version`
+
+    fork_into(str(spec), out_dir, plain(cfg))
+    return True
+
+
+def latest_run(root: Path = OUTPUTS) -> Path | None:
+    """The run directory under `root` whose checkpoint was written last, if any."""
+    checkpoints = [p for p in root.glob("**/checkpoint*.pt") if p.is_file()]
+    if not checkpoints:
+        return None
+    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent.resolve()
+
+
+def _expand_resume_latest(argv: list[str]) -> list[str]:
+    """`resume=latest` -> the latest run's own overrides, then the user's, then its dir."""
+    if "resume=latest" not in argv:
+        return argv
+    run_dir = latest_run()
+    if run_dir is None:
+        raise SystemExit(f"fl-run: resume=latest: no run with a checkpoint under {OUTPUTS}/")
+    saved_path = run_dir / OVERRIDES
+    saved = yaml.safe_load(saved_path.read_text()) if saved_path.exists() else []
+    own_keys = ("resume", "overwrite", "hydra.run.dir")
+    kept = [o for o in saved if o.lstrip("+~").split("=", 1)[0] not in own_keys]
+    rest = [a for a in argv if a != "resume=latest"]
+    print(f"fl-run: resuming {run_dir}", flush=True)
+    return [*kept, *rest, f"hydra.run.dir={run_dir}", "resume=true"]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    if "--version" in sys.argv[1:]:
+        versions = f"flwr {version('flwr')}, torch {version('torch')}"
+        print(f"adaptive-fl {version('adaptive-fl')} ({versions})")
+        return
+    sys.argv[1:] = _expand_resume_latest(sys.argv[1:])
+    _main()
+
+
+if __name__ == "__main__":
+    main()

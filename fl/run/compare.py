@@ -1,0 +1,245 @@
+"""Side-by-side comparison of runs: Markdown tables and plots from their outputs.
+
+Every Hydra multirun ends with one: `ComparisonCallback` (registered for all runs in
+conf/config.yaml, a no-op for single runs) writes `comparison.md`, `comparison.png` and,
+where the runs report them, plots of strategy diagnostics into the sweep directory.
+Runs are labelled by the overrides that differ between them; when the sweep varies
+`seed`, a second table gives each arm's mean ± std over its seeds.
+By hand, on sweep or run directories: `python -m fl.run.compare DIR [DIR ...] [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+__all__ = ["ComparisonCallback", "Run", "compare_runs", "find_runs", "load_run", "main"]
+
+DIAGNOSTICS = (
+    "frozen_fraction",
+    "speculated_fraction",
+    "local_steps",
+    "consistency",
+    "mean_period",
+    "epsilon_max",
+)
+
+
+class Run(NamedTuple):
+    """One finished run: its Hydra overrides, metrics rows and summary."""
+
+    name: str
+    overrides: list[str]
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+
+def load_run(run_dir: Path) -> Run:
+    """A finished run's outputs; `experiment=` is left out of its overrides."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(path.read_text()) if path.exists() else []
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    kept = [o for o in overrides or [] if not o.startswith("experiment=")]
+    return Run(run_dir.name, kept, rows, summary)
+
+
+def find_runs(path: Path) -> list[Path]:
+    """`path` if it is a run directory, else its numbered job directories that hold a run."""
+    if (path / "summary.json").exists():
+        return [path]
+    jobs = [p.parent for p in path.glob("*/summary.json") if p.parent.name.isdigit()]
+    return sorted(jobs, key=lambda p: int(p.name))
+
+
+def _varying(runs: Sequence[Run]) -> list[list[str]]:
+    """Each run's overrides that not every run shares (all of them for a single run)."""
+    shared = set.intersection(*(set(r.overrides) for r in runs)) if len(runs) > 1 else set()
+    return [[o for o in r.overrides if o not in shared] for r in runs]
+
+
+def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(runs: Sequence[Run], labels: Sequence[str]) -> str:
+    """One line per run; traffic relative to the first run (the reference arm)."""
+    ref = runs[0].summary
+    ref_total = ref["total_bytes_up"] + ref["total_bytes_down"]
+    ref_payload = ref["total_payload_bytes_up"] + ref["total_payload_bytes_down"]
+    present = [k for k in DIAGNOSTICS if any(_mean(r.rows, k) is not None for r in runs)]
+    target = ref.get("target_accuracy")
+    to_target = [f"rounds to {target}", f"MB to {target}"] if target is not None else []
+    head = [
+        "run",
+        "final acc",
+        "best acc",
+        "traffic MB (as sent)",
+        "vs ref",
+        "traffic MB (payload only)",
+        "vs ref",
+        "virtual time s",
+        *to_target,
+        *[f"mean {k}" for k in present],
+    ]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for label, run in zip(labels, runs, strict=True):
+        s = run.summary
+        total = s["total_bytes_up"] + s["total_bytes_down"]
+        payload = s["total_payload_bytes_up"] + s["total_payload_bytes_down"]
+        cells = [
+            label,
+            f"{s['final_accuracy']:.4f}",
+            f"{s['best_accuracy']:.4f}",
+            f"{total / 1e6:.1f}",
+            f"{total / ref_total:.1%}",
+            f"{payload / 1e6:.1f}",
+            f"{payload / ref_payload:.1%}",
+            f"{s['virtual_time_s']:.1f}",
+        ]
+        if to_target:
+            hit = s.get("bytes_to_target")
+            cells += [str(s.get("rounds_to_target")), f"{hit / 1e6:.1f}" if hit else "not reached"]
+        cells += [f"{m:.3f}" if (m := _mean(run.rows, k)) is not None else "-" for k in present]
+        lines.append(_row(cells))
+    return "\n".join(lines) + "\n"
+
+
+def _spread(values: Sequence[float], digits: int) -> str:
+    """Mean ± sample standard deviation."""
+    mean = statistics.mean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _seed_table(runs: Sequence[Run], varying: Sequence[list[str]]) -> str:
+    """One line per arm (runs equal but for `seed=`), mean ± std over its seeds; "" if no
+    arm has several."""
+    if not any(o.startswith("seed=") for overrides in varying for o in overrides):
+        return ""
+    arms: dict[str, list[Run]] = {}
+    for overrides, run in zip(varying, runs, strict=True):
+        arm = " ".join(o for o in overrides if not o.startswith("seed=")) or "all runs"
+        arms.setdefault(arm, []).append(run)
+    if len(arms) == len(runs):  # one seed per arm: nothing to average
+        return ""
+    target = runs[0].summary.get("target_accuracy")
+    head = ["arm", "seeds", "final acc", "best acc", "traffic MB (as sent)", "virtual time s"]
+    head += [f"reached {target}", f"rounds to {target}"] if target is not None else []
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for arm, members in arms.items():
+        s = [m.summary for m in members]
+        cells = [
+            arm,
+            str(len(members)),
+            _spread([x["final_accuracy"] for x in s], 4),
+            _spread([x["best_accuracy"] for x in s], 4),
+            _spread([(x["total_bytes_up"] + x["total_bytes_down"]) / 1e6 for x in s], 1),
+            _spread([x["virtual_time_s"] for x in s], 1),
+        ]
+        if target is not None:
+            hits = [x["rounds_to_target"] for x in s if x.get("rounds_to_target") is not None]
+            cells += [f"{len(hits)}/{len(s)}", _spread(hits, 1) if hits else "-"]
+        lines.append(_row(cells))
+    return "\n".join(lines) + "\n"
+
+
+def compare_runs(
+    run_dirs: Sequence[Path], out_dir: Path, title: str = "", *, plots: bool = True
+) -> str:
+    """Write comparison.md and (with `plots`) plots for `run_dirs` into `out_dir`; return the
+    Markdown."""
+    # Here, not at the top: every fl-run loads this module (the callback), few plot.
+    from fl.run.plots import plot_diagnostic, plot_runs
+
+    runs = [load_run(d) for d in run_dirs]
+    varying = _varying(runs)
+    labels = [" ".join(v) or r.name for v, r in zip(varying, runs, strict=True)]
+    text = _table(runs, labels)
+    if over_seeds := _seed_table(runs, varying):
+        text += f"\nMean ± std over seeds:\n\n{over_seeds}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
+    if not plots:
+        return text
+    series = dict(zip(labels, (r.rows for r in runs), strict=True))
+    plot_runs(series, out_dir / "comparison.png", title=title)
+    for key in DIAGNOSTICS:
+        reported = {label: rows for label, rows in series.items() if _mean(rows, key) is not None}
+        if reported:
+            plot_diagnostic(reported, key, out_dir / f"{key}.png", title=title)
+    return text
+
+
+class ComparisonCallback(Callback):
+    """Hydra callback: compare every job of a multirun once the sweep ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write and print the comparison of the sweep's finished jobs."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        run_dirs = find_runs(sweep_dir)
+        if run_dirs:
+            title = str(config.get("experiment_title") or sweep_dir.name)
+            plots = bool(config.get("plots", True))
+            print(compare_runs(run_dirs, sweep_dir, title, plots=plots))
+            print(f"comparison written to {sweep_dir}/comparison.md" + " and plots" * plots)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m fl.run.compare`: compare run and sweep directories; 2 if one holds no run."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fl.run.compare",
+        description="Compare finished runs: write comparison.md, comparison.png and "
+        "diagnostic plots (what every multirun writes into its sweep directory).",
+    )
+    parser.add_argument(
+        "dirs",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="a run directory (holds summary.json) or a sweep directory (its numbered jobs)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where the outputs go (default: DIR when one is given, else the current directory)",
+    )
+    parser.add_argument(
+        "--title", metavar="TEXT", help="heading of the table and plots (default: --out's name)"
+    )
+    args = parser.parse_args(argv)
+    run_dirs = []
+    for path in args.dirs:
+        found = find_runs(path)
+        if not found:
+            print(
+                f"fl.run.compare: {path} holds no run "
+                "(no summary.json in it or in its numbered job directories)",
+                file=sys.stderr,
+            )
+            return 2
+        run_dirs += found
+    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else Path.cwd())
+    title = args.title if args.title is not None else out.resolve().name
+    print(compare_runs(run_dirs, out, title))
+    print(f"comparison written to {out / 'comparison.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The `local` engine: an in-process implementation of Flower's `Grid`.
+
+One process, no Ray, no sockets: `push_messages` queues instructions, `pull_messages`
+runs the ClientApp for them (in order, or on a thread pool) and returns the replies.
+Each node has a persistent `Context`, as a SuperNode would, so client state survives
+across rounds. A node's Context is built when a message reaches it and released after
+its reply; only non-empty states are kept, compactly (`NodeStates`), and they are part
+of the run's checkpoint. So memory and start-up follow the clients that train, not the
+population: a million nodes cost their ids and partitions (24 bytes each) until sampled.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from fl.common.config import ConfigError
+from fl.run.apps import Apps
+from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
+from fl.run.faults import NoReply
+from fl.world.population import PartitionMap
+
+__all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
+
+SERVER_NODE_ID = 0
+CLIENT_EXCEPTION = 3  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+def _wire_roundtrip(msg: Message) -> Message:
+    """The message as the receiver would see it after Flower's protobuf serialisation."""
+    proto = ProtoMessage.FromString(message_to_proto(msg).SerializeToString())
+    return message_from_proto(proto)
+
+
+class LocalGrid(Grid):
+    """A Grid whose nodes are ClientApp calls in this process."""
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        run_config: dict[str, Any],
+        *,
+        seed: int = 0,
+        workers: int = 1,
+        serialize: bool = False,
+        run_id: int = 1,
+        spill_dir: Path | None = None,
+        state_memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        announces_partitions: bool = False,
+    ) -> None:
+        """`announces_partitions`: the ClientApp reports its node config's partition (ours
+        does), so the server may take the map from `partition_map` instead of asking every
+        node; `spill_dir` and `state_memory_bytes`: where node states go past that budget."""
+        self.client_app = client_app
+        self.announces_partitions = announces_partitions
+        self.workers = workers
+        self.serialize = serialize
+        self._run = Run.create_empty(run_id)
+        self._run.override_config = dict(run_config)
+        self.run_config = dict(run_config)
+        ids = np.random.default_rng([seed, 0x1D]).choice(2**62, size=num_nodes, replace=False)
+        self.nodes = PartitionMap(ids + 1)  # partition p is held by node ids[p] + 1
+        self.states = NodeStates(spill_dir, state_memory_bytes)
+        self.built = 0  # Contexts built so far (one per message handled)
+        self.live = 0  # Contexts alive now
+        self.peak_live = 0
+        self._count_lock = threading.Lock()
+        self._pending: dict[str, Message] = {}
+        self._ids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
+        TaskIdentity.run_id = run_id
+        TaskIdentity.node_id = SERVER_NODE_ID
+        TaskIdentity.task_id = 0
+
+    # ----- Grid interface ---------------------------------------------------------------
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)  # sorted
+
+    def partition_map(self) -> PartitionMap | None:
+        """node id -> partition as assigned here, when the ClientApp announces just that."""
+        return self.nodes if self.announces_partitions else None
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            if msg.metadata.dst_node_id not in self.nodes:
+                raise ValueError(f"no node {msg.metadata.dst_node_id} in this grid")
+            msg_id = str(next(self._ids))
+            msg.metadata.__dict__["_message_id"] = msg_id
+            self._pending[msg_id] = msg
+            ids.append(msg_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        batch = [self._pending.pop(i) for i in message_ids if i in self._pending]
+        replies = (
+            map(self._handle, batch) if self._pool is None else self._pool.map(self._handle, batch)
+        )
+        return [reply for reply in replies if reply is not None]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    # ----- nodes ------------------------------------------------------------------------
+    def context(self, node_id: int) -> Context:
+        """A node's Context as a SuperNode holds it: its partition and its saved state."""
+        return Context(
+            run_id=self._run.run_id,
+            node_id=node_id,
+            node_config={"partition-id": self.nodes[node_id], "num-partitions": len(self.nodes)},
+            state=self.states.get_state(node_id),
+            run_config=dict(self.run_config),
+        )
+
+    def _handle(self, msg: Message) -> Message | None:
+        """Run the ClientApp for one instruction, as a SuperNode would (None: no reply)."""
+        node_id = msg.metadata.dst_node_id
+        context = self.context(node_id)
+        self._count(+1)
+        try:
+            return self._reply(msg, context)
+        finally:
+            self.states.put(node_id, context.state)
+            self._count(-1)
+
+    def _reply(self, msg: Message, context: Context) -> Message | None:
+        if self.serialize:
+            msg = _wire_roundtrip(msg)
+        try:
+            reply = self.client_app(msg, context)
+        except NoReply:  # an injected dropout or hang: nothing arrives this round
+            return None
+        except Exception as err:  # a crashing client must not stop the round
+            reply = Message(Error(CLIENT_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
+        return _wire_roundtrip(reply) if self.serialize else reply
+
+    def _count(self, change: int) -> None:
+        with self._count_lock:
+            self.live += change
+            self.built += max(change, 0)
+            self.peak_live = max(self.peak_live, self.live)
+
+    def state_dict(self) -> Mapping[int, RecordDict]:
+        """The nodes' non-empty states, for the run's checkpoint (decoded one at a time)."""
+        return self.states
+
+    def load_state_dict(self, states: Mapping[int, RecordDict]) -> None:
+        """Restore node states saved by `state_dict` (every other node's state is empty)."""
+        unknown = [node for node in states if node not in self.nodes]
+        if unknown:
+            raise ValueError(f"saved states of nodes not in this grid: {unknown[:5]}")
+        self.states.clear()
+        for node_id, state in states.items():
+            self.states.put(node_id, state)
+
+    def close(self) -> None:
+        """Release the worker threads and any spilled state file."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        self.states.close()
+
+
+def _state_memory_bytes(cfg: Any) -> int:
+    """`engine.state_memory_mb` in bytes (a number >= 0; 0 keeps every state in SQLite)."""
+    value = cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ConfigError(
+            f"invalid config: engine.state_memory_mb={value!r}: must be a number >= 0"
+        )
+    return int(value * 2**20)
+
+
+def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps) -> None:
+    """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes."""
+    _freeze_imports()
+    grid = LocalGrid(
+        apps.client,
+        cfg.num_clients,
+        run_config,
+        seed=cfg.seed,
+        workers=cfg.engine.workers,
+        serialize=cfg.engine.serialize,
+        spill_dir=Path(cfg.output_dir) if cfg.get("output_dir") else None,
+        state_memory_bytes=_state_memory_bytes(cfg),
+        announces_partitions=True,  # our ClientApp answers `query.info` with its node config
+    )
+    context = Context(
+        run_id=grid.run.run_id,
+        node_id=SERVER_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run_config),
+    )
+    try:
+        apps.server(grid, context)
+    finally:
+        grid.close()
+
+
+@functools.cache
+def _freeze_imports() -> None:
+    """Keep full garbage collections off the ~230,000 objects of the imported modules
+    (torch, Flower, Hydra): they would walk them every time, during rounds too.
+
+    Once per process, never undone: a Hydra multirun calls `run_local` once per job, and
+    a collection of the whole heap before each freeze cost ~0.15 s a job. What each job
+    builds stays unfrozen and is collected as usual when the job ends.
+    """
+    gc.collect()
+    gc.freeze()

@@ -1,0 +1,597 @@
+"""Loop kinds: when a round closes and which replies it aggregates, on the virtual clock.
+
+Every engine trains a dispatched node at once and returns its reply; the virtual clock
+(`fl.world.clock`) decides when that reply *arrives*. The loop kind decides when a round
+closes and which arrived replies the strategy aggregates:
+
+- `sync`: a round waits for every reply it asked for, up to a deadline; with
+  `first_k_fraction` it closes at the ceil(f·n)-th arrival. Replies that miss the close
+  are dropped (`late=drop`, the server stops waiting) or carried (`late=carry`: they
+  land in a later round, stale).
+- `semi_async`: `clients_per_round` nodes stay in flight; a round closes at the
+  `buffer_k`-th arrival from any round; nodes still training keep going and are not
+  asked again until their reply lands.
+- `groups`: nodes form fixed groups (partition p in group p mod G) with their own
+  timelines; every idle group is dispatched, and a round closes when a group has
+  fully arrived (R2SP-style overlapping timelines on the shared server link). A
+  strategy may hand the loop a round-robin schedule (`fl.mechanisms.roundrobin`): groups then
+  start in turn, each held until its start time, instead of as soon as they are idle.
+
+Where replies arrive is the loop's `arrival` order. `virtual` (the local and flower-sim
+engines): the clock decides, so every engine aggregates the same replies in the same
+rounds, deterministically. `real` (the default of `engine=deployment`): replies land in
+the order they reach the server, deadlines are wall seconds, and time is the wall clock;
+in-flight instructions are not part of a checkpoint, so a resumed run re-asks those nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from omegaconf import DictConfig, OmegaConf
+
+from fl.common.config import check_choice, check_int, check_number, require
+from fl.common.errors import RunError
+from fl.mechanisms.roundrobin import RoundRobin
+from fl.strategy.server import ReplyInfo, UploadParts
+from fl.wire.codec import Traffic, payload_traffic
+from fl.wire.records import record_of
+from fl.world.clock import Job, VirtualClock
+from fl.world.population import NodeIds
+
+__all__ = [
+    "ARRIVAL_ORDERS",
+    "LATE_POLICIES",
+    "LOOP_KINDS",
+    "Landed",
+    "LoopSettings",
+    "RealArrivals",
+    "RoundDriver",
+    "check_loop",
+    "loop_settings",
+]
+
+LOOP_KINDS = ("sync", "semi_async", "groups")
+LATE_POLICIES = ("drop", "carry")
+ARRIVAL_ORDERS = ("virtual", "real")
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The `loop` config group (conf/loop/*.yaml)."""
+
+    kind: str = "sync"
+    deadline_s: float | None = None  # virtual seconds a round waits after it starts
+    first_k_fraction: float | None = None  # sync: close at the ceil(f·n)-th arrival
+    late: str = "drop"  # sync: what happens to replies that miss the close
+    buffer_k: int | None = None  # semi_async: arrivals that close a round (None: half)
+    groups: int = 2  # groups: number of groups
+    staleness_exponent: float = 0.5  # a reply s rounds stale weighs (1 + s)^-a
+    arrival: str = "virtual"  # virtual (the clock's order) | real (as replies reach us)
+
+    @property
+    def stale(self) -> bool:
+        """Whether replies may land in a later round than they were asked in."""
+        return self.kind != "sync" or self.late == "carry"
+
+
+def loop_settings(cfg: Any) -> LoopSettings:
+    """The run's `loop` group as settings (validated by fl.common.config before any round).
+
+    `loop.arrival: null` is real order on `engine=deployment` and virtual elsewhere.
+    """
+    values = {k: v for k, v in dict(cfg.loop).items() if k != "name"}
+    if values.get("arrival") is None:
+        values["arrival"] = "real" if cfg.engine.name == "deployment" else "virtual"
+    return LoopSettings(**values)
+
+
+class RealArrivals:
+    """Replies in the order they reach the server, timed in wall seconds since training began.
+
+    Instructions go out with `Grid.push_messages`; `next_arrival` polls
+    `Grid.pull_messages` for the ones still out until one lands or `until` passes. Replies
+    pulled together are taken in partition order, the only order they have.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(
+        self,
+        grid: Grid,
+        partitions: Mapping[int, int],
+        started_s: float = 0.0,
+        *,
+        timer: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """`started_s`: time already trained (a resumed run); `timer`/`sleep`: the wall
+        clock, replaceable so a test can drive arrivals without waiting for them."""
+        self.grid = grid
+        self.partitions = partitions
+        self._timer, self._sleep = timer, sleep
+        self._t0 = timer() - started_s
+        self._out: dict[int, str] = {}  # node -> id of the instruction it is answering
+        self._ready: deque[tuple[int, Message, float]] = deque()
+
+    @property
+    def now(self) -> float:
+        return self._timer() - self._t0
+
+    def push(self, messages: list[Message]) -> None:
+        """Send `messages`; their replies are pulled by `next_arrival`."""
+        ids = list(self.grid.push_messages(messages))
+        for message, message_id in zip(messages, ids, strict=True):
+            self._out[message.metadata.dst_node_id] = message_id
+
+    def next_arrival(self, until: float) -> tuple[int, Message, float] | None:
+        """The next reply to land as (node, reply, wall seconds), or None by `until`."""
+        while not self._ready:
+            if not self._out or self.now >= until:
+                return None
+            replies = list(self.grid.pull_messages(list(self._out.values())))
+            landed_s = self.now
+            for reply in sorted(replies, key=self._partition):
+                node = reply.metadata.src_node_id
+                if self._out.get(node) not in (None, reply.metadata.reply_to_message_id):
+                    continue  # an answer to an instruction we no longer wait for
+                if self._out.pop(node, None) is not None:
+                    self._ready.append((node, reply, landed_s))
+            if not self._ready:
+                self._sleep(max(min(self.POLL_S, until - self.now), 0.0))
+        return self._ready.popleft()
+
+    def cancel(self, node: int) -> None:
+        """Stop waiting for `node`: a reply it still sends is never pulled."""
+        self._out.pop(node, None)
+        self._ready = deque(r for r in self._ready if r[0] != node)
+
+    def _partition(self, reply: Message) -> int:
+        return self.partitions.get(reply.metadata.src_node_id, -1)
+
+
+@dataclass
+class Flight:
+    """One instruction the server is still waiting on, with the reply it will bring."""
+
+    node: int
+    sent_round: int
+    reply: Message | None  # None until a real arrival brings it
+    up: Traffic
+    arrived_s: float | None = None  # set once the clock delivered it
+    sent_s: float = 0.0  # when it was sent (real) or its download began (virtual)
+
+
+@dataclass
+class Landed:
+    """What one round's close hands to the strategy."""
+
+    replies: list[Message] = field(default_factory=list)  # in partition order
+    info: dict[int, ReplyInfo] = field(default_factory=dict)
+    up: list[Traffic] = field(default_factory=list)  # bytes of the landed replies
+    given_up: list[int] = field(default_factory=list)  # nodes the server stopped waiting on
+
+
+class RoundDriver:
+    """In-flight instructions, their arrivals, and each loop kind's close rule."""
+
+    def __init__(
+        self,
+        settings: LoopSettings,
+        clock: VirtualClock,
+        partitions: Mapping[int, int],
+        deadline_s: float,
+        real: RealArrivals | None = None,
+        schedule: RoundRobin | None = None,
+    ) -> None:
+        """`real`: where real arrivals come from (`arrival=real`); `deadline_s` is then in
+        wall seconds, and also bounds how long an unanswered instruction is waited for.
+        `schedule`: the strategy's round-robin order and start times of groups (R2SP)."""
+        self.settings = settings
+        self.clock = clock
+        self.partitions = partitions
+        self.deadline_s = deadline_s
+        self.real = real
+        self.flights: dict[int, Flight] = {}
+        self.bases: dict[int, torch.Tensor] = {}  # sent round -> global vector it carried
+        self.schedule = schedule
+        self.held: dict[int, tuple[Job, float]] = {}  # node -> its job, its start time
+        if schedule is not None:
+            if settings.kind != "groups" or real is not None:
+                raise RunError(
+                    "the strategy starts groups in turn on the virtual clock: use "
+                    f"loop=groups with virtual arrivals, not loop.kind={settings.kind}"
+                    + (" with real arrivals" if real is not None else "")
+                )
+            schedule.bind(settings.groups)
+
+    @property
+    def timed(self) -> bool:
+        """Whether rounds close at a deadline (sync always; others when one is set)."""
+        return self.settings.kind == "sync" or self.settings.deadline_s is not None
+
+    @property
+    def client_deadline_s(self) -> float:
+        """The deadline a client is told: virtual seconds after sending (inf: none)."""
+        return self.deadline_s if self.timed else math.inf
+
+    # ----- selection --------------------------------------------------------------------
+    def wanted(self, clients_per_round: int, candidates: int) -> int | None:
+        """Nodes the strategy selects this round (None: its own clients_per_round)."""
+        if self.settings.kind == "semi_async":
+            return max(clients_per_round - len(self.flights), 0)
+        if self.settings.kind == "groups":
+            return candidates  # every idle group, whole
+        return None
+
+    def idle(self, nodes: NodeIds) -> NodeIds:
+        """The nodes that may be asked now: none in flight, and for `groups` only whole
+        groups none of whose members is in flight. Vectorised: `nodes` may be millions."""
+        if self.settings.kind != "groups":
+            return nodes.without(self.flights)
+        if nodes.partitions is None:  # (the loop's candidates, from the population, carry them)
+            raise ValueError("loop=groups needs candidates that carry their partitions")
+        groups = nodes.partitions % self.settings.groups
+        busy = {self._group(n) for n in self.flights}
+        free = ~np.isin(groups, list(busy))
+        if self.schedule is not None:
+            due = self.schedule.due(set(np.unique(groups[free]).tolist()), busy)
+            free &= np.isin(groups, list(due))
+        return nodes.where(free)
+
+    def _group(self, node: int) -> int:
+        return self.partitions[node] % self.settings.groups
+
+    # ----- dispatch ---------------------------------------------------------------------
+    def dispatch(
+        self,
+        server_round: int,
+        base: torch.Tensor,
+        replies: list[Message],
+        down: Mapping[int, Traffic],
+        asked: Mapping[int, int],
+        upload_parts: Callable[[Message, int], UploadParts],
+    ) -> list[int]:
+        """Put this round's replies on the clock; return the nodes that sent none."""
+        if down:
+            self.bases[server_round] = base
+        replied, jobs = set(), []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in down or node in replied:
+                continue  # not asked this round, or a duplicate: never counted
+            replied.add(node)
+            up = payload_traffic(reply.content) if reply.has_content() else Traffic(0)
+            samples, parts = asked[node], upload_parts(reply, up.total)
+            if reply.has_error():  # crashed: the server learns it once the work is due
+                parts = ()
+            elif reply.has_content():
+                samples = _reported_samples(reply, samples)
+            self.flights[node] = Flight(node, server_round, reply, up, sent_s=self.clock.now)
+            jobs.append(Job(node, self.partitions[node], down[node].total, samples, parts))
+        self._start(jobs)
+        return sorted((n for n in down if n not in replied), key=self.partitions.__getitem__)
+
+    def _start(self, jobs: list[Job]) -> None:
+        """Put jobs on the clock now, or under a schedule each group at its start time."""
+        if self.schedule is None:
+            for job in jobs:
+                self.clock.submit(job)
+            return
+        by_group: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_group.setdefault(self._group(job.key), []).append(job)
+        turn, groups = self.schedule.turn, self.settings.groups
+        for group in sorted(by_group, key=lambda g: (g - turn) % groups):
+            members = by_group[group]
+            start = self.schedule.release(group, self.clock.now, self._solo_span_s(members))
+            for job in members:
+                self.flights[job.key].sent_s = start
+                self.held[job.key] = (job, start)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Submit the held jobs whose start time has come."""
+        for node, (job, start_s) in sorted(self.held.items()):
+            if start_s <= self.clock.now:
+                del self.held[node]
+                self.clock.submit(job)
+
+    def _next_release_s(self) -> float:
+        return min((start_s for _, start_s in self.held.values()), default=math.inf)
+
+    def _solo_span_s(self, jobs: list[Job]) -> float:
+        """A group's span with the server link to itself (its members' transfers share
+        it, nobody else's): the first estimate of R2SP's iteration span T."""
+        share, now = self.clock.server_bytes_per_s / len(jobs), self.clock.now
+        spans = []
+        for job in jobs:
+            profile, up = self.clock.profiles[job.partition], sum(b for _, b in job.uploads)
+            spans.append(
+                job.down_bytes / min(profile.down_bytes_per_s, share)
+                + job.samples / self.clock.speed(job.partition, now)
+                + up / min(profile.up_bytes_per_s, share)
+            )
+        return max(spans)
+
+    def push(
+        self, server_round: int, base: torch.Tensor, messages: list[Message], down: Mapping
+    ) -> None:
+        """Send this round's instructions for real arrivals (`arrival=real`)."""
+        assert self.real is not None, "push is for real arrivals; dispatch replies otherwise"
+        if down:
+            self.bases[server_round] = base
+        sent_s = self.real.now
+        for message in messages:
+            node = message.metadata.dst_node_id
+            self.flights[node] = Flight(node, server_round, None, Traffic(0), sent_s=sent_s)
+        self.real.push(messages)
+
+    def sync_clock(self) -> None:
+        """With real arrivals, bring the clock to the wall time since training began."""
+        if self.real is not None:
+            self.clock.wait(max(self.real.now - self.clock.now, 0.0))
+
+    # ----- close ------------------------------------------------------------------------
+    def close(
+        self,
+        server_round: int,
+        started_s: float,
+        dispatched: int,
+        missing: list[int],
+        buffer_k: int | None = None,
+    ) -> Landed:
+        """Advance the clock to this round's close; return what lands in it.
+
+        `missing`: nodes asked this round that sent no reply. A sync round still waits
+        for them until its deadline (the server cannot know they will not come).
+        `buffer_k`: the strategy's own semi-async close for this round, if it sets one.
+        """
+        kind = self.settings.kind
+        timed = self.timed or self.real is not None  # real waits are always bounded
+        until = started_s + self.deadline_s if timed else math.inf
+        landed: list[Flight] = []
+        given_up = list(missing)
+        target = self._target(dispatched, len(missing), buffer_k)
+        arrived = [f for f in self.flights.values() if f.arrived_s is not None]  # groups
+        while True:
+            if kind == "groups" and (group := self._complete_group(arrived)) is not None:
+                landed = [f for f in arrived if self._group(f.node) == group]
+                if self.schedule is not None:
+                    self.schedule.landed(group, max(f.arrived_s or 0.0 for f in landed))
+                break
+            if kind != "groups" and len(landed) >= target:
+                break
+            arrival = self._next_arrival(min(until, self._next_release_s()))
+            if arrival is None:
+                if self.held and self.clock.now >= self._next_release_s():
+                    self._release_held()  # a scheduled group starts
+                    continue
+                break
+            node, arrived_s, dropped = arrival
+            if dropped:  # the device went offline: its reply never comes
+                del self.flights[node]
+                given_up.append(node)
+                continue
+            flight = self.flights[node]
+            flight.arrived_s = arrived_s
+            (arrived if kind == "groups" else landed).append(flight)
+        if kind == "groups" and not landed and arrived and math.isfinite(until):
+            landed = arrived  # deadline: whatever has arrived lands
+        for flight in landed:
+            del self.flights[flight.node]
+        drop_all = kind == "sync" and self.settings.late == "drop"
+        for node in sorted(self.flights):  # the rest of this round, or waited on too long
+            if drop_all or self._expired(self.flights[node]):
+                self._cancel(node)
+                given_up.append(node)
+                del self.flights[node]
+        self.sync_clock()
+        return self._landed(server_round, landed, given_up)
+
+    def _next_arrival(self, until: float) -> tuple[int, float, bool] | None:
+        """(node, arrival time, dropped) of the next reply to land by `until`, or None."""
+        if self.real is None:
+            arrival = self.clock.next_arrival(until)
+            return None if arrival is None else (arrival.key, arrival.arrived_s, arrival.dropped)
+        got = self.real.next_arrival(until)
+        if got is None:
+            return None
+        node, reply, landed_s = got
+        flight = self.flights[node]
+        flight.reply = reply
+        flight.up = payload_traffic(reply.content) if reply.has_content() else Traffic(0)
+        return node, landed_s, False
+
+    def _expired(self, flight: Flight) -> bool:
+        """A real instruction unanswered for longer than the deadline: its node is gone."""
+        return (
+            self.real is not None
+            and flight.arrived_s is None
+            and self.real.now >= flight.sent_s + self.deadline_s
+        )
+
+    def _cancel(self, node: int) -> None:
+        if self.held.pop(node, None) is not None:
+            return  # never started
+        if self.real is not None:
+            self.real.cancel(node)
+        else:
+            self.clock.cancel(node)
+
+    def _target(self, dispatched: int, missing: int, buffer_k: int | None) -> int:
+        """Arrivals that close a round (sync, semi_async)."""
+        settings = self.settings
+        if settings.kind == "semi_async":
+            k = buffer_k or settings.buffer_k or max(1, math.ceil(len(self.flights) / 2))
+            return min(k, len(self.flights))
+        if settings.first_k_fraction is not None:
+            return math.ceil(settings.first_k_fraction * dispatched)
+        return len(self.flights) + missing
+
+    def _complete_group(self, arrived: list[Flight]) -> int | None:
+        """The group whose members have all arrived first (ties: lowest group)."""
+        waiting = {self._group(f.node) for f in self.flights.values() if f.arrived_s is None}
+        done = {self._group(f.node) for f in arrived} - waiting
+        if not done:
+            return None
+        last = {
+            g: max(f.arrived_s or 0.0 for f in arrived if self._group(f.node) == g) for g in done
+        }
+        return min(done, key=lambda g: (last[g], g))
+
+    def _landed(self, server_round: int, flights: list[Flight], given_up: list[int]) -> Landed:
+        flights.sort(key=lambda f: self.partitions[f.node])  # engine-independent order
+        out = Landed(given_up=sorted(given_up, key=self.partitions.__getitem__))
+        for flight in flights:
+            assert flight.reply is not None, "only arrived replies land"
+            out.replies.append(flight.reply)
+            out.up.append(flight.up)
+            out.info[flight.node] = ReplyInfo(
+                sent_round=flight.sent_round,
+                staleness=server_round - flight.sent_round,
+                arrived_s=float(flight.arrived_s or 0.0),
+                base=self.bases[flight.sent_round],
+                sent_s=flight.sent_s,
+            )
+        live = {f.sent_round for f in self.flights.values()}
+        self.bases = {r: b for r, b in self.bases.items() if r in live or r == server_round}
+        return out
+
+    # ----- resume -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """In-flight replies (content as RecordDicts), their bases, the clock, the jobs
+        held for a scheduled start and the schedule.
+
+        Real instructions still unanswered are left out: a resumed run cannot receive
+        their replies, so it treats those nodes as idle.
+        """
+        return {
+            "clock": self.clock.state_dict(),
+            "bases": dict(self.bases),
+            "flights": {
+                str(node): {
+                    "sent_round": f.sent_round,
+                    "content": f.reply.content if f.reply.has_content() else RecordDict(),
+                    "error": f.reply.error.reason if f.reply.has_error() else None,
+                    "up": [f.up.payload, f.up.control],
+                    "arrived_s": f.arrived_s,
+                    "sent_s": f.sent_s,
+                }
+                for node, f in self.flights.items()
+                if f.reply is not None
+            },
+            "held": {
+                str(node): {
+                    "partition": job.partition,
+                    "down_bytes": job.down_bytes,
+                    "samples": job.samples,
+                    "uploads": [[float(f), int(b)] for f, b in job.uploads],
+                    "start_s": start_s,
+                }
+                for node, (job, start_s) in self.held.items()
+            },
+            "schedule": None if self.schedule is None else self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.clock.load_state_dict(state["clock"])
+        self.bases = dict(state["bases"])
+        self.flights = {}
+        for key, saved in state["flights"].items():
+            node = int(key)
+            reply = _reply(node, saved["sent_round"], saved["content"], saved["error"])
+            up = Traffic(int(saved["up"][0]), int(saved["up"][1]))
+            self.flights[node] = Flight(
+                node,
+                int(saved["sent_round"]),
+                reply,
+                up,
+                saved["arrived_s"],
+                float(saved.get("sent_s", 0.0)),
+            )
+        self.held = {
+            int(key): (
+                Job(
+                    int(key),
+                    int(s["partition"]),
+                    int(s["down_bytes"]),
+                    int(s["samples"]),
+                    tuple((float(f), int(b)) for f, b in s["uploads"]),
+                ),
+                float(s["start_s"]),
+            )
+            for key, s in state.get("held", {}).items()
+        }
+        if self.schedule is not None and state.get("schedule") is not None:
+            self.schedule.load_state_dict(state["schedule"])
+
+
+def _reported_samples(reply: Message, asked: int) -> int:
+    """Samples the clock charges: what the reply reports, never more than was asked."""
+    metrics = record_of(reply.content, "metrics", MetricRecord)
+    reported = metrics.get("samples") if metrics is not None else None
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
+        return min(reported, asked)
+    return asked
+
+
+def _reply(node: int, sent_round: int, content: RecordDict, error: str | None) -> Message:
+    """A restored reply from `node` (metadata rebuilt: only its source is read)."""
+    metadata = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=node,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id=str(sent_round),
+        created_at=0.0,
+        ttl=0.0,
+        message_type=MessageType.TRAIN,
+    )
+    if error is not None:
+        return Message(Error(code=0, reason=error), metadata=metadata)  # type: ignore[call-overload]
+    return Message(content, metadata=metadata)  # type: ignore[call-overload]
+
+
+def check_loop(cfg: DictConfig) -> None:
+    """The loop kind and its options, and whether the strategy takes replies that land late."""
+    from fl.strategy.registry import get_strategy
+
+    check_choice(cfg, "loop.kind", LOOP_KINDS)
+    check_choice(cfg, "loop.late", LATE_POLICIES)
+    if OmegaConf.select(cfg, "loop.arrival") is not None:
+        check_choice(cfg, "loop.arrival", ARRIVAL_ORDERS)
+    check_number(cfg, "loop.deadline_s", 0, strict=True, null=True)
+    check_number(cfg, "loop.first_k_fraction", 0, 1, strict=True, null=True)
+    check_number(cfg, "loop.staleness_exponent", 0)
+    check_int(cfg, "loop.groups", 1, cfg.num_clients)
+    if cfg.loop.buffer_k is not None:
+        check_int(cfg, "loop.buffer_k", 1, cfg.clients_per_round)
+    kind, late = cfg.loop.kind, cfg.loop.late
+    stale = kind != "sync" or late == "carry"
+    server = get_strategy(str(cfg.strategy.name)).server
+    require(
+        not stale or getattr(server, "stale_replies_ok", True),
+        "loop",
+        f"{kind} (late={late})",
+        f"strategy={cfg.strategy.name} aggregates only replies to the current round's state; "
+        "use loop=sync with loop.late=drop",
+    )
+    central = OmegaConf.select(cfg, "privacy.server_dp.mode", default="none") != "none"
+    require(
+        not stale or not central,
+        "loop",
+        f"{kind} (late={late})",
+        "central DP clips each update against the current model: replies must not land late",
+    )

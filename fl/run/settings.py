@@ -1,0 +1,96 @@
+"""The run's own top-level keys (`conf/config.yaml` outside its groups) and their check."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from fl.common.config import (
+    CONF_DIR,
+    ConfigError,
+    check_choice,
+    check_int,
+    check_number,
+    require,
+)
+
+__all__ = ["DEVICES", "FORK_FROM", "MAX_SEED", "OUTPUT_DIR_RULE", "check_keys", "check_run"]
+
+DEVICES = ("auto", "cpu", "cuda")
+MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
+FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
+OUTPUT_DIR_RULE = (
+    "fl-run sets it to the Hydra run directory, so use hydra.run.dir=DIR instead "
+    "(only engine=deployment takes an output_dir: an absolute path on the SuperLink's machine)"
+)
+
+
+@lru_cache(maxsize=1)
+def _known_keys() -> tuple[str, ...]:
+    """Top-level keys of conf/config.yaml and its config groups: all a run may set."""
+    base = OmegaConf.load(CONF_DIR / "config.yaml")
+    groups = [str(next(iter(d))).split()[-1] for d in base.defaults if isinstance(d, DictConfig)]
+    return tuple(sorted({str(k) for k in base if k != "defaults"} | set(groups)))
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse top-level keys added with `+` that nothing reads (a typo), suggesting the closest."""
+    known = _known_keys()
+    unknown = [str(k) for k in cfg if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+        raise ConfigError(
+            f"invalid config: unknown key {unknown[0]!r} (not in conf/config.yaml); {hint}"
+        )
+
+
+def check_run(cfg: DictConfig) -> None:
+    """The top-level numbers of conf/config.yaml, the device, fork_from and output_dir."""
+    for key in ("num_clients", "clients_per_round", "rounds", "batch_size"):
+        check_int(cfg, key, 1)
+    check_int(cfg, "local_steps", 0)
+    check_int(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
+    check_int(cfg, "checkpoint_every", 1)
+    check_int(cfg, "torch_threads", 0)
+    check_int(cfg, "seed", 0, MAX_SEED)
+    require(
+        cfg.clients_per_round <= cfg.num_clients,
+        "clients_per_round",
+        cfg.clients_per_round,
+        f"must be <= num_clients ({cfg.num_clients})",
+    )
+    check_number(cfg, "lr", 0, strict=True)
+    check_number(cfg, "round_timeout_s", 0, strict=True, null=True)
+    check_number(cfg, "momentum", 0)
+    check_number(cfg, "weight_decay", 0)
+    bound = cfg.max_update_norm
+    require(
+        isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 0,
+        "max_update_norm",
+        bound,
+        "must be a number > 0 (.inf for no bound)",
+    )
+    check_number(cfg, "target_accuracy", 0, 1, strict=True, null=True)
+    fork = cfg.get("fork_from")
+    require(
+        fork is None or (isinstance(fork, str) and bool(FORK_FROM.fullmatch(fork))),
+        "fork_from",
+        fork,
+        "must be null, <run_dir> or <run_dir>@<round> (round a positive integer)",
+    )
+    for key in ("checkpoint_history", "plots"):
+        require(isinstance(cfg.get(key, False), bool), key, cfg.get(key), "must be true or false")
+    check_number(cfg, "time_budget_s", 0, strict=True, null=True)
+    output_dir = cfg.get("output_dir")
+    require(
+        output_dir is None or (isinstance(output_dir, str) and Path(output_dir).is_absolute()),
+        "output_dir",
+        output_dir,
+        OUTPUT_DIR_RULE,
+    )
+    check_choice(cfg, "device", DEVICES)

@@ -1,0 +1,156 @@
+"""Run outputs: metrics.jsonl, summary.json, the plot, and Weights & Biases (optional).
+
+One JSON object per round goes to `metrics.jsonl`; the same rows go to W&B when
+`logger=wandb` (offline unless WANDB_MODE says otherwise). A resumed run truncates
+the file from the checkpoint's rows (the checkpoint is the record; the file is its copy,
+so a torn or lost last line cannot falsify a resume) and continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from fl.common.config import check_choice, plain
+from fl.common.errors import RunError
+
+__all__ = [
+    "LOGGERS",
+    "RUN_FILES",
+    "RunLog",
+    "check_logger",
+    "clear_run",
+    "holds_run",
+    "refuse_existing_run",
+    "summarize",
+]
+
+# What a run leaves in its directory; any of them means the directory holds a run.
+LOGGERS = ("jsonl", "wandb")
+RUN_FILES = (
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoint.pt",
+    "checkpoint.prev.pt",
+    "model.pt",
+    "config.yaml",
+    "accuracy.png",
+)
+
+
+def holds_run(out_dir: Path) -> bool:
+    """Whether `out_dir` holds outputs of a run (started, killed or finished)."""
+    return any((out_dir / name).exists() for name in RUN_FILES)
+
+
+def refuse_existing_run(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run in a directory that holds another run's outputs."""
+    if not resume and not overwrite and holds_run(out_dir):
+        raise RunError(
+            f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
+            "to replace it, or choose another hydra.run.dir"
+        )
+
+
+def clear_run(out_dir: Path) -> None:
+    """Remove a previous run's outputs (`overwrite=true`), so nothing of it mixes in."""
+    for name in RUN_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict[str, Any]:
+    """Totals of a run, and how long it took to reach `target_accuracy` if it did."""
+    if not rows:
+        return {"rounds": 0}
+    last = rows[-1]
+    summary: dict[str, Any] = {
+        "rounds": last["round"],
+        "final_accuracy": last["accuracy"],
+        "final_loss": last["loss"],
+        "best_accuracy": max(r["accuracy"] for r in rows),
+        "total_bytes_up": last["cum_bytes_up"],
+        "total_bytes_down": last["cum_bytes_down"],
+        "total_payload_bytes_up": last["cum_payload_bytes_up"],
+        "total_payload_bytes_down": last["cum_payload_bytes_down"],
+        "virtual_time_s": last["virtual_time_s"],
+        "wall_time_s": last["wall_time_s"],
+    }
+    if target_accuracy is not None:
+        hit = next((r for r in rows if r["accuracy"] >= target_accuracy), None)
+        summary["target_accuracy"] = target_accuracy
+        summary["rounds_to_target"] = hit["round"] if hit else None
+        summary["bytes_to_target"] = hit["cum_bytes_up"] + hit["cum_bytes_down"] if hit else None
+        summary["time_to_target_s"] = hit["virtual_time_s"] if hit else None
+    return summary
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLog:
+    """Writes one run's outputs into its directory."""
+
+    def __init__(
+        self, out_dir: Path, cfg: DictConfig, rows: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Start the outputs; `rows` are the rounds a resumed run already has."""
+        self.out_dir = out_dir
+        self.cfg = cfg
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.path = out_dir / "metrics.jsonl"
+        self.rows = list(rows or [])
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.wandb: Any = None
+        if cfg.logger.name == "wandb":
+            self.wandb = self._start_wandb()
+
+    def _start_wandb(self) -> Any:
+        import wandb
+
+        settings = self.cfg.logger
+        run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            mode=settings.mode,
+            dir=str(self.out_dir),
+            config=plain(self.cfg),
+            reinit="finish_previous",
+        )
+        for row in self.rows:
+            run.log(row, step=row["round"])
+        return run
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Record one round."""
+        row = {k: _jsonable(v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["round"])
+
+    def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write summary.json (with `extra` keys, e.g. ε per client) and the plot; close W&B."""
+        from fl.run.plots import plot_run
+
+        summary = {**summarize(self.rows, self.cfg.get("target_accuracy")), **(extra or {})}
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.rows and self.cfg.get("plots", True):
+            plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+        return summary
+
+
+def check_logger(cfg: DictConfig) -> None:
+    """`logger.name`: jsonl alone, or W&B beside it."""
+    check_choice(cfg, "logger.name", LOGGERS)

@@ -1,0 +1,104 @@
+"""The client half of a strategy: the points where it may change local training.
+
+The trainer in `clients/` owns the loop and calls these hooks; the defaults are plain
+local SGD sending a dense model, i.e. FedAvg. `state` is the node's persistent
+`Context.state`, so anything a strategy keeps there survives across rounds on every
+engine. `time` is the virtual clock as the client sees it (its device, the round's
+deadline, the samples trained so far), so time-aware rules (FedCA's early stop) are hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from torch import nn
+
+from fl.wire.codec import decode, encode_dense
+from fl.wire.records import Layout
+
+__all__ = ["ClientHooks", "ClientTime", "Reply"]
+
+Reply = tuple[dict[str, ArrayRecord | ConfigRecord], dict[str, float | int]]
+
+
+@dataclass
+class ClientTime:
+    """One round on the virtual clock, as the client sees it (virtual seconds from send).
+
+    The server puts its device profile and deadline into the instruction; a message
+    without them (a stock Flower server) gives an unbounded view.
+    """
+
+    speed: float = math.inf  # training samples per second
+    up_bytes_per_s: float = math.inf
+    down_bytes_per_s: float = math.inf
+    deadline_s: float = math.inf  # the server stops waiting this long after sending
+    download_s: float = 0.0  # the instruction's download
+    samples: int = 0  # trained so far this round (the trainer counts)
+
+    @classmethod
+    def from_config(cls, config: ConfigRecord, down_bytes: int) -> ClientTime:
+        """The view the server's `device-*` and `deadline-s` keys describe."""
+        if "device-speed" not in config:
+            return cls()
+        down = float(cast(float, config["device-down-bps"]))
+        return cls(
+            speed=float(cast(float, config["device-speed"])),
+            up_bytes_per_s=float(cast(float, config["device-up-bps"])),
+            down_bytes_per_s=down,
+            deadline_s=float(cast(float, config["deadline-s"])),
+            download_s=down_bytes / down,
+        )
+
+    @property
+    def elapsed_s(self) -> float:
+        """Download plus the compute of the samples trained so far."""
+        return self.download_s + self.samples / self.speed
+
+    def upload_s(self, nbytes: int) -> float:
+        """Seconds `nbytes` take on this device's uplink (server link not counted)."""
+        return nbytes / self.up_bytes_per_s
+
+    def slack_s(self, reply_bytes: int) -> float:
+        """Seconds left before the deadline once a reply of `reply_bytes` is uploaded."""
+        return self.deadline_s - self.elapsed_s - self.upload_s(reply_bytes)
+
+
+class ClientHooks:
+    """Default client behaviour; a strategy overrides only what differs."""
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+        self.time = ClientTime()  # set by the ClientApp for each round
+
+    def load(
+        self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout
+    ) -> None:
+        """Put the global model the server sent into `model`."""
+        layout.load_into(model, decode(content, layout))
+
+    def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
+        """Called once the global model is loaded, before the first local step."""
+
+    def lr(self, step: int, base_lr: float) -> float:
+        """Learning rate for local step `step` (0-based)."""
+        return base_lr
+
+    def batch_size(self, step: int, base: int) -> int:
+        """Batch size for local step `step`."""
+        return base
+
+    def before_step(self, model: nn.Module) -> None:
+        """Shape gradients after backward, before the optimizer step (e.g. FedProx)."""
+
+    def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> bool:
+        """Called after each optimizer step; return False to stop local training early."""
+        return True
+
+    def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
+        """Encode the reply payload and add strategy metrics."""
+        return encode_dense(layout.read(model), layout), {}

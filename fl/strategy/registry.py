@@ -1,0 +1,114 @@
+"""Strategies by name: a server half, a client half and a dataclass of hyper-parameters.
+
+Strategies are found through the `fl.strategies` entry-point group, so a third-party
+package adds one by declaring an entry point; `server/` and `clients/` never import a
+concrete strategy module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fl.strategy.client import ClientHooks
+    from fl.strategy.server import ServerStrategy
+from typing import get_type_hints
+
+from omegaconf import DictConfig
+
+from fl.common.config import ConfigError, has_type, plain, require, type_name
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "StrategySpec",
+    "available",
+    "check_strategy",
+    "get_strategy",
+    "register",
+]
+
+ENTRY_POINT_GROUP = "fl.strategies"
+_REGISTRY: dict[str, StrategySpec] = {}
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """Everything an algorithm is, as the runtime needs it."""
+
+    name: str
+    server: type[ServerStrategy]
+    client: type[ClientHooks]
+    params: type
+
+    def make_params(self, values: Mapping[str, Any]) -> Any:
+        """The params dataclass from config values; unknown keys and bad types fail by name."""
+        fields = {f.name: f for f in dataclasses.fields(self.params)}
+        unknown = sorted(set(values) - set(fields) - {"name"})
+        if unknown:
+            raise ValueError(
+                f"strategy {self.name!r} has no parameter {unknown[0]!r}; known: {sorted(fields)}"
+            )
+        kwargs = {k: v for k, v in values.items() if k in fields}
+        params = self.params(**kwargs)
+        check = getattr(params, "validate", None)
+        if check is not None:
+            check()
+        return params
+
+
+def register(name: str, *, server: type, client: type, params: type) -> StrategySpec:
+    """Add a strategy under `name` and return its spec (modules assign it to `STRATEGY`)."""
+    if not dataclasses.is_dataclass(params):
+        raise TypeError(f"params of strategy {name!r} must be a dataclass")
+    spec = StrategySpec(name, server, client, params)
+    _REGISTRY[name] = spec
+    return spec
+
+
+def _discovered() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> list[str]:
+    """Names of every registered or installed strategy."""
+    return sorted(set(_REGISTRY) | set(_discovered()))
+
+
+def get_strategy(name: str) -> StrategySpec:
+    """The spec registered under `name`, loading its entry point on first use."""
+    if name not in _REGISTRY:
+        entry = _discovered().get(name)
+        if entry is None:
+            raise ValueError(f"unknown strategy {name!r}; available: {available()}")
+        spec = entry.load()
+        _REGISTRY.setdefault(name, spec)
+    return _REGISTRY[name]
+
+
+def check_strategy(cfg: DictConfig) -> None:
+    """Each `strategy.KEY` must have its params field's type, then pass the params' `validate`
+    and, where the params have one, `validate_run` against the run's other keys."""
+    values = plain(cfg.strategy)
+    try:
+        spec = get_strategy(str(values.get("name")))
+    except ValueError as err:
+        raise ConfigError(f"invalid config: strategy.name: {err}") from err
+    hints = get_type_hints(spec.params)
+    for key, value in values.items():
+        if key in hints:
+            hint = hints[key]
+            require(has_type(value, hint), f"strategy.{key}", value, f"must be {type_name(hint)}")
+    try:
+        params = spec.make_params(values)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: strategy: {err}") from err
+    check_run = getattr(params, "validate_run", None)  # the params against the run's keys
+    if check_run is not None:
+        try:
+            check_run(cfg)
+        except ValueError as err:
+            raise ConfigError(f"invalid config: {err}") from err

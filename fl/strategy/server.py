@@ -1,0 +1,529 @@
+"""The server half of a strategy: Flower's FedAvg with per-node messages and checks.
+
+What it adds to `flwr.serverapp.strategy.FedAvg`: seeded client selection among the
+nodes the run says are reachable, one message per node (a strategy may give each
+node its own config and payload), replies decoded through `fl.wire.codec` and validated
+before they can touch the global model, and `state_dict()` for resume.
+
+Two kinds of method, kept apart: `ALGORITHM_HOOKS`, what a new algorithm may override
+(docs/STRATEGIES.md shows each with an example), and `KERNEL_METHODS`, the plumbing the
+round loop and the privacy wrappers call. Kernel methods are `typing.final`, and a
+subclass that defines one is refused when its class is created.
+
+Nothing a client reports is trusted: its claimed example count is clipped to the bound
+the server knows (`bound_examples`, set by the round loop from the partition sizes), an
+update beyond `max_update_norm` is rejected or clipped (`update_norm_policy`), and the
+aggregation rule is pluggable (`fl.mechanisms.robust.Aggregator`: mean, median, trimmed mean,
+Krum, Multi-Krum, Bulyan), so one client cannot decide the global model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, final
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
+from fl.mechanisms.roundrobin import RoundRobin
+from fl.strategy.updates import ClientUpdate, ReplyInfo, RoundStats, UploadParts
+from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
+from fl.wire.records import Layout, new_record, record_of, vector_to_arrays, wire_dtype
+from fl.wire.streaming import streamed_weighted_mean
+from fl.wire.sync import Synced, SyncServer
+
+__all__ = [
+    "ALGORITHM_HOOKS",
+    "KERNEL_METHODS",
+    "ClientUpdate",
+    "ReplyInfo",
+    "RoundStats",
+    "ServerStrategy",
+    "UploadParts",
+]
+
+# What an algorithm overrides: who trains, what each is sent, how a reply is read and
+# checked, how replies become the new model, what is logged and saved, and, for the
+# strategies whose gains are in time, how replies land on the clock.
+ALGORITHM_HOOKS = (
+    "select",
+    "train_config",
+    "train_payload",
+    "sync_specs",
+    "synced",
+    "decode_reply",
+    "check_update",
+    "rebase",
+    "aggregate",
+    "on_round_start",
+    "on_round_end",
+    "another_exchange",
+    "arrivals_to_close",
+    "group_schedule",
+    "upload_parts",
+    "reply_parts",
+    "diagnostics",
+    "state_dict",
+    "load_state_dict",
+)
+# Kernel plumbing: the round loop's and the wrappers' calls; final, never overridden.
+KERNEL_METHODS = (
+    "attach",
+    "plan",
+    "expect",
+    "base_of",
+    "bound_examples",
+    "configure_train",
+    "payload_limit",
+    "check_reply",
+    "accept",
+    "give_up",
+    "aggregate_train",
+)
+# the hook to write instead of each kernel method a subclass might reach for
+_INSTEAD = {
+    "configure_train": "select, train_config, train_payload or on_round_start",
+    "check_reply": "check_update",
+    "accept": "check_update",
+    "aggregate_train": "aggregate",
+}
+
+log = logging.getLogger(__name__)
+# Default reply size bound: any of our codecs (dense, masked + bitmap, values + indices,
+# control state) stays within 4x the dense model; 1 MiB covers headers and metrics.
+PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
+
+
+class ServerStrategy(FedAvg):
+    """Base of our server halves; plain FedAvg when nothing is overridden."""
+
+    # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
+    state_attributes: ClassVar[tuple[str, ...]] = ()
+    # Privacy wrappers check these (fl/common/config.py refuses the combination before round 1):
+    # central DP's noise must reach every client's copy of the model; DP-SGD's accountant
+    # assumes the run's own step count every round.
+    central_dp_safe: ClassVar[bool] = True
+    dpsgd_safe: ClassVar[bool] = True
+    # Whether replies may land rounds after they were asked for (semi_async, groups, and
+    # sync with late=carry): a strategy whose reply format depends on the round's state
+    # (APF's mask, PAS's periods) must aggregate only replies to the current round.
+    stale_replies_ok: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that redefines kernel plumbing, naming the hook to use."""
+        super().__init_subclass__(**kwargs)
+        for name in KERNEL_METHODS:
+            if name in vars(cls):
+                hook = _INSTEAD.get(name, f"one of {', '.join(ALGORITHM_HOOKS)}")
+                raise TypeError(
+                    f"{cls.__qualname__} overrides {name}, which is kernel plumbing "
+                    f"(fl.strategy.server.KERNEL_METHODS); override {hook} instead"
+                )
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        seed: int,
+        clients_per_round: int,
+        max_update_norm: float = math.inf,
+        max_payload_bytes: float | None = None,
+        aggregator: Aggregator | None = None,
+        update_norm_policy: str = "reject",
+    ) -> None:
+        super().__init__(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+        if update_norm_policy not in NORM_POLICIES:
+            raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}")
+        self.params = params
+        self.seed = seed
+        self.clients_per_round = clients_per_round
+        self.max_update_norm = max_update_norm
+        self.update_norm_policy = update_norm_policy
+        self.max_payload_bytes = max_payload_bytes  # None: PAYLOAD_FACTOR x the dense model
+        self.aggregator = aggregator or Aggregator()
+        # None: claims are taken as sent (a strategy built outside the round loop)
+        self.example_bounds: ExampleBounds | None = None
+        self.layout: Layout | None = None
+        self.global_vector = torch.empty(0)
+        self.stats = RoundStats()  # of the current round, over all its exchanges
+        self._stats_round = 0  # the round `stats` belongs to
+        # the nodes a round may select, in a fixed order (the loop's: partition order)
+        self.reachable: Callable[[int, Grid], Sequence[int]] = lambda rnd, grid: sorted(
+            grid.get_node_ids()
+        )
+        self.wanted: int | None = None  # nodes to select this round (loop's choice), else k
+        self.reply_info: dict[int, ReplyInfo] = {}  # set by the loop before aggregation
+        self.extra_config: Callable[[int], dict[str, Any]] = lambda node: {}  # loop's keys
+        self.staleness_exponent = 0.5  # a reply s rounds stale moves the model (1 + s)^-a
+        specs = self.sync_specs()
+        self.sync = SyncServer(specs) if specs else None
+
+    @final
+    def attach(
+        self,
+        *,
+        reachable: Callable[[int, Grid], Sequence[int]],
+        extra_config: Callable[[int], dict[str, Any]],
+        staleness_exponent: float,
+    ) -> None:
+        """The round loop's view (methods, so that they reach the strategy inside a
+        wrapper): the nodes it may ask, the keys it adds to each node's instruction
+        (device profile, deadline), and the staleness weight's exponent."""
+        self.reachable = reachable
+        self.extra_config = extra_config
+        self.staleness_exponent = staleness_exponent
+
+    @final
+    def plan(self, wanted: int | None) -> None:
+        """How many nodes the next `configure_train` selects (None: clients_per_round)."""
+        self.wanted = wanted
+
+    @final
+    def expect(self, reply_info: dict[int, ReplyInfo]) -> None:
+        """Arrival, staleness and base of the replies the next aggregation receives."""
+        self.reply_info = reply_info
+
+    @final
+    def base_of(self, node: int) -> torch.Tensor:
+        """The global vector the reply of `node` was computed from."""
+        info = self.reply_info.get(node)
+        return info.base if info is not None else self.global_vector
+
+    @final
+    def bound_examples(self, bounds: ExampleBounds) -> None:
+        """Bound each node's claimed `num-examples` by what the server knows (the round loop
+        calls this once the node -> partition map is known; a method, so that it reaches
+        the strategy inside a wrapper such as central DP)."""
+        self.example_bounds = bounds
+
+    # ----- selection and instructions -------------------------------------------------
+    def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
+        """Seeded uniform sample of `clients_per_round` nodes, kept in candidate order.
+
+        The loop passes candidates in partition order, so the same partitions are drawn on
+        every engine, whatever node ids the engine assigns.
+        """
+        k = min(self.clients_per_round if self.wanted is None else self.wanted, len(candidates))
+        rng = np.random.default_rng([self.seed, server_round, 0x5E1])
+        picked = rng.choice(len(candidates), size=k, replace=False)
+        return [candidates[i] for i in sorted(picked)]
+
+    def on_round_start(self, server_round: int) -> None:
+        """Called once per round, after the global model is known, before any message."""
+
+    def another_exchange(self, server_round: int, done: int) -> bool:
+        """Whether round `server_round` runs one more exchange after its `done`-th.
+
+        Each exchange is a configure_train / aggregate_train pass through the loop (bytes,
+        time, faults and privacy counted as for any round); `stats` and the metrics row
+        cover them all. One per round by default.
+        """
+        return False
+
+    def on_round_end(
+        self, server_round: int, accuracy: float, loss: float, virtual_time_s: float
+    ) -> None:
+        """Called once per round after evaluation, with the new global model's accuracy and
+        loss and the virtual time the round ended at (for controllers such as ASFL's)."""
+
+    def sync_specs(self) -> tuple[Synced, ...]:
+        """Tensors this strategy's clients keep copies of (`fl.wire.sync`); none by default."""
+        return ()
+
+    def synced(self) -> dict[str, torch.Tensor]:
+        """This round's values of the tensors named by `sync_specs`."""
+        return {}
+
+    def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
+        """Algorithm keys added to one node's ConfigRecord."""
+        return {}
+
+    def train_payload(self, server_round: int, node_id: int) -> dict[str, Any]:
+        """Arrays (and codec record) sent to one node: the changes since the version it
+        holds when the strategy syncs state (`fl.wire.sync`), else the dense global model."""
+        if self.sync is None:
+            return self._dense_payload
+        assert self.layout is not None
+        records, _ = self.sync.records(node_id, self.layout)
+        return records if "arrays" in records else {**self._dense_payload, **records}
+
+    @final
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One train message per selected node, each with its own config and payload."""
+        if self.layout is None:
+            self.layout = Layout.of(arrays.to_torch_state_dict())
+        self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
+        self._dense_payload = encode_dense(self.global_vector, self.layout)
+        first = server_round != self._stats_round  # a round's later exchanges add to it
+        if first:
+            self.on_round_start(server_round)
+            if self.sync is not None:
+                self.sync.publish(server_round, self.synced())
+        chosen = self.select(server_round, self.reachable(server_round, grid))
+        if first:
+            self.stats, self._stats_round = RoundStats(), server_round
+        self.stats.sent.extend(chosen)
+        messages = []
+        for node_id in chosen:
+            node_config = new_record(
+                ConfigRecord,
+                {
+                    **config,
+                    "server-round": server_round,
+                    **self.extra_config(node_id),
+                    **self.train_config(server_round, node_id),
+                },
+            )
+            content = new_record(
+                RecordDict, {**self.train_payload(server_round, node_id), "config": node_config}
+            )
+            messages.append(
+                Message(content, node_id, MessageType.TRAIN, group_id=str(server_round))
+            )
+        return messages
+
+    # ----- replies ----------------------------------------------------------------------
+    def decode_reply(self, reply: Message, base: torch.Tensor) -> torch.Tensor:
+        """The full model vector a reply stands for (`base`: the model it was sent)."""
+        assert self.layout is not None
+        return decode(reply.content, self.layout, base=base)
+
+    @final
+    def payload_limit(self) -> float:
+        """Largest reply, in bytes, that is decoded at all."""
+        if self.max_payload_bytes is not None:
+            return self.max_payload_bytes
+        assert self.layout is not None
+        sizes, dtypes = self.layout.sizes, self.layout.dtypes
+        dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
+        return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK
+
+    @final
+    def check_reply(self, reply: Message) -> ClientUpdate:
+        """Decode and validate one reply, then the strategy's `check_update`; raise
+        ValueError with the reason to reject it."""
+        content = reply.content
+        size, limit = content_bytes(content), self.payload_limit()
+        if size > limit:
+            raise ValueError(f"reply of {size} B exceeds max_payload_bytes {limit:.0f}")
+        if record_of(content, "codec", ConfigRecord) is not None:  # (Flower's clients: none)
+            declared_traffic(content)  # its byte counts feed the round's traffic figures
+        record = record_of(content, "metrics", MetricRecord)
+        if record is None:
+            raise ValueError("reply has no 'metrics' record")
+        metrics = dict(record)
+        num_examples = metrics.get(self.weighted_by_key)
+        if not isinstance(num_examples, int) or num_examples <= 0:
+            raise ValueError(
+                f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}"
+            )
+        node = reply.metadata.src_node_id
+        loss = metrics.get("train-loss", 0.0)
+        if not isinstance(loss, int | float):
+            raise ValueError(f"'train-loss' must be a number, got {loss!r}")
+        samples = metrics.get("samples", 0)  # the virtual clock charges compute by it
+        if not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"'samples' must be a non-negative int, got {samples!r}")
+        info = self.reply_info.get(node)
+        base = self.base_of(node)
+        vector = self.decode_reply(reply, base)
+        delta = vector - base
+        norm = float(torch.linalg.vector_norm(delta))
+        # base is finite, so a NaN or Inf in the update shows in the norm: one pass, not two
+        if not math.isfinite(norm) and not bool(torch.isfinite(vector).all()):
+            raise ValueError("update has NaN or Inf values")
+        if norm > self.max_update_norm:
+            if self.update_norm_policy == "reject":
+                raise ValueError(
+                    f"update norm {norm:.3g} exceeds max_update_norm {self.max_update_norm}"
+                )
+            log.warning("node %d: update norm %.3g clipped to %g", node, norm, self.max_update_norm)
+            self.stats.norm_clipped += 1
+            delta = delta * (self.max_update_norm / norm)
+            vector = base + delta
+        bound = self.example_bounds.limit(node) if self.example_bounds else None
+        if bound is not None and num_examples > bound:  # clipped, not rejected: see docs
+            log.warning(
+                "node %d claims %d examples, more than the %d it can hold: weighted as %d",
+                node,
+                num_examples,
+                bound,
+                bound,
+            )
+            self.stats.examples_clipped += 1
+            num_examples = bound
+        if info is None:
+            return self.check_update(ClientUpdate(node, vector, num_examples, metrics))
+        if info.staleness:
+            vector = self.rebase(delta, info.staleness)
+        update = ClientUpdate(node, vector, num_examples, metrics, info.staleness, info.arrived_s)
+        return self.check_update(update)
+
+    def check_update(self, update: ClientUpdate) -> ClientUpdate:
+        """The strategy's own checks of a reply that passed the kernel's (its own metrics:
+        present, finite, bounded by what the server saw); raise ValueError to reject it."""
+        return update
+
+    def rebase(self, delta: torch.Tensor, staleness: int) -> torch.Tensor:
+        """A stale reply as a model on today's global: its step scaled by (1 + s)^-a
+        (FedAsync's polynomial staleness weight; `loop.staleness_exponent` sets a)."""
+        return self.global_vector + delta * (1 + staleness) ** -self.staleness_exponent
+
+    @final
+    def accept(self, replies: Iterable[Message]) -> list[ClientUpdate]:
+        """Replies that decode and validate; the rest are logged and counted, never used.
+
+        The sync protocol learns which version each client now holds: an accepted reply
+        confirms it, a failed or rejected one (and a node given up on) is resynced.
+        """
+        updates = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            self.stats.delivered.append(node)
+            if reply.has_error():
+                self.stats.failed += 1
+                log.warning("node %d failed: %s", node, reply.error.reason)
+                self._forget(node)
+                continue
+            try:
+                updates.append(self.check_reply(reply))
+            except (ValueError, CodecError, TypeError, KeyError) as err:
+                self.stats.rejected += 1
+                self.stats.reasons.append(f"node {node}: {err}")
+                log.warning("rejected reply of node %d: %s", node, err)
+                self._forget(node)
+                continue
+            if self.sync is not None:
+                info = self.reply_info.get(node)
+                sent = info.sent_round if info is not None else self.sync.current
+                self.sync.confirm(node, sent)
+        self._normalise_unbounded(updates)
+        self.stats.accepted += len(updates)
+        self.stats.updates.extend(updates)
+        return updates
+
+    @final
+    def give_up(self, nodes: Iterable[int]) -> None:
+        """The loop stopped waiting for these nodes (no reply, dropped, too late)."""
+        for node in nodes:
+            self.stats.missing.append(node)
+            self._forget(node)
+
+    def _forget(self, node: int) -> None:
+        if self.sync is not None:
+            self.sync.forget(node)
+
+    def _normalise_unbounded(self, updates: list[ClientUpdate]) -> None:
+        """With bounds in force, a node the server knows no bound for weighs at most the
+        round's median claim."""
+        if self.example_bounds is None:
+            return
+        loose = [u for u in updates if self.example_bounds.limit(u.node_id) is None]
+        if not loose:
+            return
+        typical = median_claim([u.num_examples for u in updates])
+        for update in loose:
+            if update.num_examples > typical:
+                log.warning(
+                    "node %d has no known example bound; its claim of %d is cut to the "
+                    "round's median %d",
+                    update.node_id,
+                    update.num_examples,
+                    typical,
+                )
+                update.num_examples = typical
+                self.stats.examples_clipped += 1
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
+        """New global vector: the configured rule (`fl.mechanisms.robust`), by default the
+        example-weighted mean of the client vectors (counts already bounded), summed in
+        float64 block by block without stacking the replies (`fl.wire.streaming`); the robust
+        rules need the stack."""
+        weights = torch.tensor([u.num_examples for u in updates], dtype=torch.float64)
+        vectors = [u.vector for u in updates]
+        if self.aggregator.name == "mean":
+            return streamed_weighted_mean(vectors, weights)
+        return self.aggregator(torch.stack(vectors), weights)
+
+    @final
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Accept, aggregate, and report the mean train metrics of the accepted replies."""
+        updates = self.accept(replies)
+        if not updates:
+            return None, None
+        if len(updates) < self.aggregator.min_replies:
+            log.warning(
+                "round %d: %d accepted replies, %s with num_malicious=%d needs %d: "
+                "the global model is kept",
+                server_round,
+                len(updates),
+                self.aggregator.name,
+                self.aggregator.num_malicious,
+                self.aggregator.min_replies,
+            )
+            self.stats.skipped = True
+            return None, None
+        assert self.layout is not None
+        self.global_vector = self.aggregate(server_round, updates)
+        total = sum(u.num_examples for u in updates)
+        mean_loss = sum(float(u.metrics.get("train-loss", 0.0)) * u.num_examples for u in updates)
+        metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
+        return vector_to_arrays(self.global_vector, self.layout), metrics
+
+    def arrivals_to_close(self, server_round: int) -> int | None:
+        """Arrivals that close this round under `semi_async` (an RL controller such as
+        ASFL's picks it per round); None: the loop's `buffer_k`."""
+        return None
+
+    def group_schedule(self) -> RoundRobin | None:
+        """The order and start times of groups under `loop=groups` (R2SP's round-robin
+        schedule, `fl.mechanisms.roundrobin`); None: every idle group starts at once."""
+        return None
+
+    def upload_parts(self, node_id: int, up_bytes: int) -> UploadParts:
+        """How a reply leaves the client: all at the end of training by default; a
+        strategy that sends parts early (PAS's period groups) says when each may go."""
+        return ((1.0, up_bytes),)
+
+    def reply_parts(self, reply: Message, up_bytes: int) -> UploadParts:
+        """How this reply leaves its client, for the clock: `upload_parts` of its node by
+        default; a strategy whose client decides when parts leave (FedCA's eager layers)
+        reads the reply's own account here, bounded by what the reply holds."""
+        return self.upload_parts(reply.metadata.src_node_id, up_bytes)
+
+    # ----- diagnostics and resume -------------------------------------------------------
+    def diagnostics(self) -> dict[str, Any]:
+        """Per-round values for metrics.jsonl (subclasses add their own)."""
+        stats = self.stats
+        return {
+            "rejected": stats.rejected,
+            "failed": stats.failed,
+            "missing": len(stats.missing),
+            "examples_clipped": stats.examples_clipped,
+            "norm_clipped": stats.norm_clipped,
+            "aggregation_skipped": int(stats.skipped),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to continue after a restart."""
+        state = {name: getattr(self, name) for name in self.state_attributes}
+        if self.sync is not None:
+            state["sync"] = self.sync.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        for name in self.state_attributes:
+            setattr(self, name, state[name])
+        if self.sync is not None:
+            self.sync.load_state_dict(state["sync"])

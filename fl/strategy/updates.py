@@ -1,0 +1,62 @@
+"""What the kernel knows of a reply, and what an accepted reply becomes.
+
+The round loop fills `ReplyInfo` (when a reply was asked for and arrived); the strategy's
+checks turn a reply into a `ClientUpdate`; `RoundStats` counts what happened to a round's
+replies. Strategies read all three; only the kernel writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ClientUpdate", "ReplyInfo", "RoundStats", "UploadParts"]
+
+# (fraction of the local samples done before a part of the reply may leave, its bytes)
+UploadParts = tuple[tuple[float, int], ...]
+
+
+@dataclass(frozen=True)
+class ReplyInfo:
+    """What the loop knows of a reply: when it was asked for and when it arrived."""
+
+    sent_round: int
+    staleness: int  # rounds the global model moved on between sending and this round
+    arrived_s: float  # virtual seconds since training began
+    base: torch.Tensor  # the global vector the instruction carried
+    sent_s: float = 0.0  # when its round trip began (virtual: the download's start)
+
+
+@dataclass
+class ClientUpdate:
+    """One accepted reply: the client's full model vector and what it reported.
+
+    A stale reply's vector is already rebased onto the current global model, its step
+    scaled by the strategy's staleness weight (`ServerStrategy.rebase`).
+    """
+
+    node_id: int
+    vector: torch.Tensor
+    num_examples: int
+    metrics: dict[str, Any]
+    staleness: int = 0
+    arrived_s: float = 0.0
+
+
+@dataclass
+class RoundStats:
+    """What happened to the replies of the last round."""
+
+    sent: list[int] = field(default_factory=list)  # node ids asked to train this round
+    delivered: list[int] = field(default_factory=list)  # node ids whose replies landed
+    accepted: int = 0
+    failed: int = 0  # error replies (crashed ClientApps)
+    rejected: int = 0  # replies that failed validation
+    missing: list[int] = field(default_factory=list)  # given up on: no reply, dropped, too late
+    updates: list[ClientUpdate] = field(default_factory=list)  # the accepted replies
+    reasons: list[str] = field(default_factory=list)
+    examples_clipped: int = 0  # accepted replies whose num-examples claim was cut to the bound
+    norm_clipped: int = 0  # accepted replies scaled down to max_update_norm (policy clip)
+    skipped: bool = False  # too few replies for the aggregation rule: global model kept

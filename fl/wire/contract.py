@@ -1,0 +1,61 @@
+"""Which strategy, and which version of its message contract, a train instruction is for.
+
+The server half and the client half of a strategy agree on a wire format (APF's masked
+payloads, PAS's periods); a ClientApp configured with another strategy would misread the
+instruction, train, and reply with something the server cannot decode, round after
+round. So every instruction from our loop names its strategy and the contract version; a
+ClientApp whose half differs replies with a `CONTRACT_MISMATCH` error naming both sides,
+and the server stops the run with that error (`fl.common.errors.RunError`, a non-zero exit).
+An instruction without these keys (a stock Flower ServerApp) is accepted as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import Error, Message
+
+from fl.common.errors import RunError
+
+__all__ = [
+    "CONTRACT_MISMATCH",
+    "CONTRACT_VERSION",
+    "ContractMismatch",
+    "check_reply_error",
+    "mismatch_reply",
+    "stamp",
+]
+
+# Bump when the train instruction/reply format between the halves changes incompatibly.
+CONTRACT_VERSION = 1
+CONTRACT_MISMATCH = 100  # an error code outside Flower's own (flwr.common.constant.ErrorCode)
+STRATEGY_KEY, VERSION_KEY = "fl-strategy", "fl-contract"
+
+
+class ContractMismatch(RunError):
+    """A ClientApp runs another strategy, or another contract version, than the server."""
+
+
+def stamp(strategy: str) -> dict[str, Any]:
+    """Config keys naming the server's strategy and contract version."""
+    return {STRATEGY_KEY: strategy, VERSION_KEY: CONTRACT_VERSION}
+
+
+def mismatch_reply(message: Message, config: Mapping[str, Any], strategy: str) -> Message | None:
+    """An error reply when `message` (its train `config`) is not for this client's half."""
+    theirs = (config.get(STRATEGY_KEY, strategy), config.get(VERSION_KEY, CONTRACT_VERSION))
+    if theirs == (strategy, CONTRACT_VERSION):
+        return None
+    reason = (
+        f"contract mismatch: the server sends strategy={theirs[0]} (contract {theirs[1]}), "
+        f"this ClientApp runs strategy={strategy} (contract {CONTRACT_VERSION})"
+    )
+    return Message(Error(CONTRACT_MISMATCH, reason), reply_to=message)
+
+
+def check_reply_error(reply: Message) -> None:
+    """Raise `ContractMismatch` for a reply that says its ClientApp runs another half."""
+    if reply.has_error() and reply.error.code == CONTRACT_MISMATCH:
+        node = reply.metadata.src_node_id
+        raise ContractMismatch(f"node {node}: {reply.error.reason}; the run is stopped")

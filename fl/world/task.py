@@ -1,0 +1,244 @@
+"""A run's learning task: the dataset, its split across clients, and the model.
+
+Built once per process and cached, so thousands of simulated clients in one process
+share one copy of the data and one model instance per thread. Synthetic data split by
+its natural devices is generated client by client when asked for (`SyntheticDevices`),
+so a population of millions costs its size array, not its samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import nn
+
+from fl.common.config import ConfigError, check_choice, check_int, check_number, plain, require
+from fl.wire.records import Layout
+from fl.world.data import Dataset, DatasetNotFoundError, SyntheticDevices, load_dataset
+from fl.world.models import build_model
+from fl.world.partition import SCHEMES, partition_indices
+
+__all__ = [
+    "DATASETS",
+    "GPU_MEMORY_FRACTION",
+    "MODELS",
+    "NoDeviceError",
+    "Task",
+    "check_task",
+    "get_task",
+    "resolve_device",
+]
+
+
+DATASETS = ("digits", "shapes", "synthetic", "mnist", "cifar10")
+MODELS = ("logreg", "mlp", "cnn", "lenet5", "resnet18")
+GPU_MEMORY_FRACTION = "FL_GPU_MEMORY_FRACTION"  # env: this process's share of its GPU
+# Generated-per-client data: the global test split is the held-out samples of this many
+# first devices (all of them in smaller populations), so evaluation cost stays bounded.
+EVAL_DEVICES = 1000
+
+
+class NoDeviceError(ConfigError, RuntimeError):
+    """device=cuda where no GPU is visible (a RuntimeError too, as it was before)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; `cuda` without a GPU fails clearly.
+
+    A process uses the first GPU it can see: pin one per SuperNode by starting it with
+    `CUDA_VISIBLE_DEVICES=<index>` (its ClientApp processes inherit the variable). Where
+    several processes share a GPU, `FL_GPU_MEMORY_FRACTION` caps each one's allocator.
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise NoDeviceError(
+            "invalid config: device='cuda': no CUDA device is visible to this process; "
+            "use device=auto (a GPU where there is one) or device=cpu"
+        )
+    device = torch.device(name)
+    if device.type == "cuda":
+        _cap_gpu_memory(os.environ.get(GPU_MEMORY_FRACTION))
+    return device
+
+
+@lru_cache(maxsize=1)
+def _cap_gpu_memory(fraction: str | None) -> None:
+    """Limit this process's CUDA caching allocator to `fraction` of the device, once."""
+    if fraction is None:
+        return
+    try:
+        value = float(fraction)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"{GPU_MEMORY_FRACTION}={fraction!r}: must be a number in (0, 1]")
+    torch.cuda.set_per_process_memory_fraction(value, torch.cuda.current_device())
+
+
+@dataclass
+class Task:
+    """Data, partitions and model factory of one run.
+
+    `partitions` index the dataset's train split per client; they are None where each
+    client's data is generated on demand (`devices`), and the train split is empty.
+    """
+
+    dataset: Dataset
+    partitions: list[np.ndarray] | None
+    model_name: str
+    hidden: tuple[int, ...]
+    seed: int
+    device: torch.device
+    devices: SyntheticDevices | None = None
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def new_model(self) -> nn.Module:
+        """A freshly initialised model, identical for a given seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = build_model(
+                self.model_name,
+                self.dataset.input_shape,
+                self.dataset.num_classes,
+                hidden=self.hidden,
+            )
+        return model.to(self.device)
+
+    def model(self) -> nn.Module:
+        """This thread's reusable model instance (its weights are overwritten per client)."""
+        if not hasattr(self._local, "model"):
+            self._local.model = self.new_model()
+            self.layout.bind(self._local.model)  # load and read it in one copy each
+        model: nn.Module = self._local.model
+        return model
+
+    @cached_property
+    def layout(self) -> Layout:
+        """Layout of the model's state_dict."""
+        return Layout.of(self.model().state_dict())
+
+    @cached_property
+    def sizes(self) -> np.ndarray:
+        """Training examples of each client (int64), known without building any client."""
+        if self.devices is not None:
+            return self.devices.train_sizes
+        assert self.partitions is not None
+        return np.array([len(p) for p in self.partitions], dtype=np.int64)
+
+    def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The train tensors of one client, on the task's device."""
+        if self.devices is not None:
+            x, y = self.devices.train(partition)
+            return x.to(self.device), y.to(self.device)
+        assert self.partitions is not None
+        index = torch.from_numpy(self.partitions[partition])
+        x = self.dataset.x_train[index].to(self.device)
+        y = self.dataset.y_train[index].to(self.device)
+        return x, y
+
+
+@lru_cache(maxsize=4)
+def _build(key: str) -> Task:
+    spec = json.loads(key)
+    task, part = spec["task"], spec["partition"]
+    device = resolve_device(spec["device"])
+    options = dict(task.get("options") or {})
+    if task["dataset"] == "synthetic":
+        options.setdefault("num_devices", spec["num_clients"])
+    if task["model"] in ("cnn", "lenet5", "resnet18") and task["dataset"] == "digits":
+        options.setdefault("flat", False)
+    if task["dataset"] == "synthetic" and part["scheme"] == "natural":
+        return _generated(spec, options, device)
+    try:
+        dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
+    except DatasetNotFoundError as err:
+        raise ConfigError(f"invalid config: task.dataset={task['dataset']!r}: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"invalid config: task.options of {task['dataset']}: {err}") from err
+    try:
+        partitions = partition_indices(
+            dataset.y_train.numpy(),
+            spec["num_clients"],
+            part["scheme"],
+            seed=spec["seed"],
+            **{k: v for k, v in part.items() if k != "scheme"},
+            groups=dataset.groups,
+        )
+    except ValueError as err:
+        raise ConfigError(
+            f"invalid config: num_clients={spec['num_clients']}: partition={part['scheme']} "
+            f"of {task['dataset']}: {err}"
+        ) from err
+    return Task(
+        dataset,
+        partitions,
+        task["model"],
+        tuple(task.get("hidden") or ()),
+        spec["seed"],
+        device,
+    )
+
+
+def _generated(spec: dict, options: dict, device: torch.device) -> Task:
+    """Synthetic split by its devices: client p is device p, generated when asked for."""
+    task, clients = spec["task"], spec["num_clients"]
+    try:
+        devices = SyntheticDevices(seed=spec["seed"], **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: task.options of synthetic: {err}") from err
+    if devices.num_devices != clients:
+        raise ConfigError(
+            f"invalid config: num_clients={clients}: partition=natural makes one client per "
+            f"device, but task.options.num_devices={devices.num_devices}"
+        )
+    dataset = devices.dataset(test_devices=EVAL_DEVICES)
+    hidden = tuple(task.get("hidden") or ())
+    return Task(dataset, None, task["model"], hidden, spec["seed"], device, devices)
+
+
+def get_task(cfg: DictConfig) -> Task:
+    """The task of a run config (built on first use in this process)."""
+    spec = {
+        "task": plain(cfg.task),
+        "partition": plain(cfg.partition),
+        "num_clients": cfg.num_clients,
+        "seed": cfg.seed,
+        "device": cfg.device,
+    }
+    return _build(json.dumps(spec, sort_keys=True))
+
+
+def check_task(cfg: DictConfig) -> None:
+    """Dataset, model, its hidden widths and the partition scheme with its parameters."""
+    check_choice(cfg, "task.dataset", DATASETS)
+    check_choice(cfg, "task.model", MODELS)
+    hidden = OmegaConf.select(cfg, "task.hidden")
+    require(
+        hidden is None
+        or (
+            isinstance(hidden, ListConfig | list)
+            and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden)
+        ),
+        "task.hidden",
+        hidden,
+        "must be a list of layer widths, integers >= 1, e.g. [64] or [128,64]",
+    )
+    check_choice(cfg, "partition.scheme", SCHEMES)
+    scheme = cfg.partition.scheme
+    if OmegaConf.select(cfg, "partition.min_size") is not None:
+        check_int(cfg, "partition.min_size", 1)  # every client gets an example
+    if scheme == "dirichlet":
+        check_number(cfg, "partition.alpha", 0, strict=True)
+    if scheme == "shards":
+        check_int(cfg, "partition.classes_per_client", 1)
+    if scheme == "natural":
+        require(cfg.task.dataset == "synthetic", "partition.scheme", scheme, "needs task=synthetic")
