@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from fl.common.config import plain
 from fl.common.errors import RunError
 from fl.mechanisms.robust import example_bounds, robust_options
+from fl.run.arrivals import RealArrivals
 from fl.run.checkpoint import (
     CHECKPOINT,
     check_resumable,
@@ -33,7 +34,7 @@ from fl.run.checkpoint import (
     save_checkpoint,
 )
 from fl.run.console import RoundReporter
-from fl.run.loops import Landed, LoopSettings, RealArrivals, RoundDriver, loop_settings
+from fl.run.loops import Landed, LoopSettings, RoundDriver, loop_settings
 from fl.run.tracking import RunLog, clear_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy

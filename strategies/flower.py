@@ -52,7 +52,7 @@ from flwr.serverapp import strategy as flower_strategies
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-# the checks every strategy's params get (fl/common/config.py), applied to the Flower kwargs
+# the checks every strategy's params get (fl.common.config.has_type), applied to the Flower kwargs
 from fl.common.config import has_type, type_name
 from fl.strategy.client import ClientHooks
 from fl.strategy.registry import register

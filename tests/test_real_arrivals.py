@@ -18,8 +18,9 @@ from flwr.app import Message
 
 import server.loop
 from fl.common.config import compose
+from fl.run.arrivals import RealArrivals
 from fl.run.engines.local import LocalGrid
-from fl.run.loops import RealArrivals, loop_settings
+from fl.run.loops import loop_settings
 
 # Seconds from send to arrival, by partition: the reverse of partition order, so a loop
 # that fell back to partition (or virtual) order would land the wrong replies.

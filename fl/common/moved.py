@@ -3,7 +3,9 @@
 `import fl.hooks` (or `fl.registry`, `fl.codec`, `fl.clock`, ...) still works: a finder on
 `sys.meta_path` hands back the module at its new path, the very same module object, with a
 `DeprecationWarning` naming that path. Plugins written against the flat layout keep
-loading; new code imports the new paths (ARCHITECTURE.md, "Floors of the kernel").
+loading; new code imports the new paths (docs/ARCHITECTURE.md). Checkpoints written before
+the move name their state classes by the old paths; `old_names` lets the checkpoint
+unpickler accept those names too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "MOVED_CLASSES", "install", "new_path", "old_names"]
 
 # old dotted path -> new dotted path (a submodule of an old package follows its package)
 MOVED: dict[str, str] = {
@@ -38,6 +40,8 @@ MOVED: dict[str, str] = {
     **{f"fl.{m}": f"fl.run.{m}" for m in ("loops", "faults", "attacks", "tracking", "console")},
     **{f"fl.{m}": f"fl.run.{m}" for m in ("plots", "compare", "engines")},
 }
+# classes that moved to another module than their old module's new path: new -> old name
+MOVED_CLASSES = {"fl.mechanisms.diagnosis.LinearityTest": "fl.speculation.LinearityTest"}
 
 
 def new_path(old: str) -> str | None:
@@ -52,6 +56,20 @@ def new_path(old: str) -> str | None:
             return None
         nxt, _, tail = tail.partition(".")
         head = f"{head}.{nxt}"
+
+
+def old_names(classes: list[type]) -> list[tuple[type, str]]:
+    """(class, its dotted name before the move) for each of `classes` that had another
+    name: what `torch.serialization.safe_globals` takes to accept both names."""
+    old_modules = {new: old for old, new in MOVED.items()}
+    names = []
+    for cls in classes:
+        new = f"{cls.__module__}.{cls.__qualname__}"
+        if new in MOVED_CLASSES:
+            names.append((cls, MOVED_CLASSES[new]))
+        elif cls.__module__ in old_modules:
+            names.append((cls, f"{old_modules[cls.__module__]}.{cls.__qualname__}"))
+    return names
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -84,6 +102,8 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Put the finder on `sys.meta_path` once (after the path finder: real modules win)."""
+    """Put the finder first on `sys.meta_path`, once. First, because `fl.codec.core` would
+    otherwise be found by the path finder inside the aliased package's folder and run a
+    second time as another module; no real module lives at an old path."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())

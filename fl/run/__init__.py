@@ -1,10 +1,12 @@
 """The run machinery: from a Hydra config to a finished, resumable run folder.
 
-The `fl-run` entry point (`cli`, also `python -m fl.run`) and the dispatch of every
-config group's check (`validation`); the engines that run a ServerApp and a ClientApp
-they are handed (`engines`); the round loops (`loops`); injected faults and attacks
-(`faults`, `attacks`); checkpoints and forks (`checkpoint`); metrics files, W&B and the
-console (`tracking`, `console`); plots and multirun comparisons (`plots`, `compare`).
+The `fl-run` entry point (`cli`, also `python -m fl.run`), the run's own top-level keys
+(`settings`), the dispatch of every config group's check (`validation`) and the apps it
+runs, loaded by reference (`apps`); the engines that run the ServerApp and ClientApp they
+are handed (`engines`); the round loops and the real arrival order (`loops`, `arrivals`);
+injected faults and attacks (`faults`, `attacks`); checkpoints and forks (`checkpoint`);
+metrics files, W&B and the console (`tracking`, `console`); plots and multirun
+comparisons (`plots`, `compare`).
 This is the top floor: it may import every other floor of `fl`, and none imports it.
 """
 

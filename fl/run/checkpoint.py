@@ -34,6 +34,7 @@ from numpy._core.multiarray import _reconstruct  # numpy's own pickle hook for a
 
 from fl.common.checkpointable import state_types
 from fl.common.errors import RunError
+from fl.common.moved import old_names
 from fl.strategy.registry import available, get_strategy
 
 __all__ = [
@@ -192,7 +193,8 @@ def _read(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     """One checkpoint file, loaded without running code from it."""
     for name in available():  # their modules mark their state classes checkpointable
         get_strategy(name)
-    with torch.serialization.safe_globals([*_NUMPY_GLOBALS, *state_types()]):
+    classes = state_types()  # and their names before fl/ was split into floors
+    with torch.serialization.safe_globals([*_NUMPY_GLOBALS, *classes, *old_names(classes)]):
         payload = torch.load(path, weights_only=True)
     if not isinstance(payload, dict) or not set(required) <= payload.keys():
         raise ValueError(f"not a checkpoint of this framework (needs keys {list(required)})")

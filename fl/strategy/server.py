@@ -105,7 +105,7 @@ class ServerStrategy(FedAvg):
 
     # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
     state_attributes: ClassVar[tuple[str, ...]] = ()
-    # Privacy wrappers check these (fl/common/config.py refuses the combination before round 1):
+    # Privacy wrappers check these (privacy.config refuses the combination before round 1):
     # central DP's noise must reach every client's copy of the model; DP-SGD's accountant
     # assumes the run's own step count every round.
     central_dp_safe: ClassVar[bool] = True
