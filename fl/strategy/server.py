@@ -320,6 +320,10 @@ class ServerStrategy(FedAvg):
         if record is None:
             raise ValueError("reply has no 'metrics' record")
         metrics = dict(record)
+        # a controller reading metrics (ASFL's reward, LB-BSP's speeds) never sees a NaN
+        unfit = next((k for k, v in metrics.items() if not _finite_metric(v)), None)
+        if unfit is not None:
+            raise ValueError(f"metric {unfit!r} is not finite: {metrics[unfit]!r}")
         num_examples = metrics.get(self.weighted_by_key)
         if not isinstance(num_examples, int) or num_examples <= 0:
             raise ValueError(
@@ -338,8 +342,11 @@ class ServerStrategy(FedAvg):
         delta = vector - base
         norm = float(torch.linalg.vector_norm(delta))
         # base is finite, so a NaN or Inf in the update shows in the norm: one pass, not two
-        if not math.isfinite(norm) and not bool(torch.isfinite(vector).all()):
-            raise ValueError("update has NaN or Inf values")
+        if not math.isfinite(norm):
+            if not bool(torch.isfinite(vector).all()):
+                raise ValueError("update has NaN or Inf values")
+            # finite values whose norm overflows float32: their mean would too
+            raise ValueError("update norm overflows (values near the float32 limit)")
         if norm > self.max_update_norm:
             if self.update_norm_policy == "reject":
                 raise ValueError(
@@ -474,7 +481,14 @@ class ServerStrategy(FedAvg):
             self.stats.skipped = True
             return None, None
         assert self.layout is not None
-        self.global_vector = self.aggregate(server_round, updates)
+        aggregate = self.aggregate(server_round, updates)
+        if not bool(torch.isfinite(aggregate).all()):  # never applied: the model stays usable
+            log.warning(
+                "round %d: the aggregate is not finite: the global model is kept", server_round
+            )
+            self.stats.skipped = True
+            return None, None
+        self.global_vector = aggregate
         total = sum(u.num_examples for u in updates)
         mean_loss = sum(float(u.metrics.get("train-loss", 0.0)) * u.num_examples for u in updates)
         metrics = MetricRecord({"num-examples": total, "train-loss": mean_loss / total})
@@ -527,3 +541,9 @@ class ServerStrategy(FedAvg):
             setattr(self, name, state[name])
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
+
+
+def _finite_metric(value: Any) -> bool:
+    """A MetricRecord value (a number or a list of numbers) with no NaN or Inf in it."""
+    values = value if isinstance(value, list) else [value]
+    return all(not isinstance(v, float) or math.isfinite(v) for v in values)

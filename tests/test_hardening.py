@@ -1,0 +1,72 @@
+"""Hostile or broken replies that pass every type check: the model survives them."""
+
+import math
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fl.run.engines.local import LocalGrid
+from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.wire.codec import encode_dense
+from fl.wire.records import Layout
+from strategies.asfl import ASFLParams, ASFLServer
+from strategies.fedavg import FedAvgParams
+
+GLOBAL = {"w": torch.linspace(-1, 1, 12).reshape(3, 4), "b": torch.zeros(4)}
+LAYOUT = Layout.of(GLOBAL)
+
+
+def _round(strategy: ServerStrategy, vectors, losses=None):
+    """One round: every instruction answered with the given model vector and loss."""
+    grid = LocalGrid(None, len(vectors), {})  # type: ignore[arg-type]  # nodes never called
+    instructions = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
+    replies = []
+    for i, (instruction, vector) in enumerate(zip(instructions, vectors, strict=True)):
+        loss = 0.5 if losses is None else losses[i]
+        metrics = MetricRecord({"num-examples": 10, "train-loss": loss, "samples": 10})
+        content = {**encode_dense(vector, LAYOUT), "metrics": metrics}
+        replies.append(Message(RecordDict(content), reply_to=instruction))
+    return strategy.aggregate_train(1, replies)
+
+
+def _fedavg(clients: int) -> ServerStrategy:
+    return ServerStrategy(FedAvgParams(), seed=0, clients_per_round=clients)
+
+
+def test_finite_values_whose_norm_overflows_are_rejected_under_the_defaults():
+    honest = LAYOUT.flatten(GLOBAL) + 0.1
+    huge = torch.full((LAYOUT.numel,), 3e38)  # each value finite, the norm is not
+    strategy = _fedavg(2)
+    arrays, _ = _round(strategy, [honest, huge])
+    assert strategy.stats.rejected == 1 and "overflows" in strategy.stats.reasons[0]
+    assert arrays is not None and torch.equal(LAYOUT.flatten(arrays.to_torch_state_dict()), honest)
+    assert bool(torch.isfinite(strategy.global_vector).all())
+
+
+def test_a_metric_that_is_not_finite_rejects_its_reply():
+    vector = LAYOUT.flatten(GLOBAL) + 0.1
+    for bad in (math.nan, math.inf, -math.inf):
+        strategy = _fedavg(2)
+        _round(strategy, [vector, vector], losses=[0.5, bad])
+        assert strategy.stats.accepted == 1 and strategy.stats.rejected == 1
+        assert "metric 'train-loss' is not finite" in strategy.stats.reasons[0]
+
+
+def test_an_aggregate_that_is_not_finite_is_never_applied():
+    class Overflowing(ServerStrategy):
+        def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
+            return super().aggregate(server_round, updates) * 1e39  # float32: inf
+
+    strategy = Overflowing(FedAvgParams(), seed=0, clients_per_round=1)
+    before = LAYOUT.flatten(GLOBAL)
+    assert _round(strategy, [before + 0.1]) == (None, None)
+    assert strategy.stats.skipped and torch.equal(strategy.global_vector, before)
+
+
+def test_asfl_never_sees_a_nan_loss():
+    params = ASFLParams()
+    strategy = ASFLServer(params, seed=0, clients_per_round=2)
+    vector = LAYOUT.flatten(GLOBAL) + 0.1
+    _round(strategy, [vector, vector], losses=[math.nan, 0.5])
+    assert strategy.stats.rejected == 1
+    assert all(math.isfinite(u.metrics["train-loss"]) for u in strategy.stats.updates)
