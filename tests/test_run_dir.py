@@ -212,3 +212,54 @@ def test_version_prints_the_project_version():
     proc = python_run([sys.executable, "-m", "fl.run", "--version"], timeout=120)
     assert proc.returncode == 0
     assert proc.stdout.startswith(f"adaptive-fl {version('adaptive-fl')} (flwr 1.42")
+
+
+@pytest.fixture
+def small_run(tmp_path) -> Path:
+    """A finished 1-round run under tmp_path/outputs, found by resume=latest."""
+    first = _fl(
+        None, "num_clients=3", "clients_per_round=3", "local_epochs=1", "rounds=1", cwd=tmp_path
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run_dir,) = {p.parent for p in (tmp_path / "outputs").glob("*/*/checkpoint.pt")}
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        ["+hydra.callbacks.evil._target_=os.makedirs", "+hydra.callbacks.evil.name={marker}"],
+        ["--config-dir={marker}"],
+        ["experiment@hydra=smoke"],
+    ],
+)
+def test_resume_latest_replays_nothing_but_the_runs_own_keys(small_run, tmp_path, planted):
+    marker = tmp_path / "code-ran"
+    overrides = small_run / ".hydra" / "overrides.yaml"
+    saved = yaml.safe_load(overrides.read_text())
+    overrides.write_text(yaml.safe_dump([*saved, *(p.format(marker=marker) for p in planted)]))
+    message = _one_line_error(_fl(None, "resume=latest", "rounds=2", cwd=tmp_path))
+    assert message.startswith(f"fl-run: resume=latest: {small_run}: ")
+    assert "is not an override of the run's own keys" in message
+    assert not marker.exists()
+    assert [r["round"] for r in read_metrics(small_run)] == [1]  # the run was not touched
+
+
+def test_resume_latest_needs_a_checkpoint_that_loads(small_run, tmp_path):
+    (small_run / "checkpoint.pt").write_bytes(b"garbage")
+    (small_run / "checkpoint.prev.pt").unlink(missing_ok=True)
+    message = _one_line_error(_fl(None, "resume=latest", cwd=tmp_path))
+    assert message.startswith(f"fl-run: resume=latest: {small_run}: no usable checkpoint")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_run_file_that_is_not_a_regular_file_is_refused_before_any_round(tmp_path, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    checkpoint = run_dir / "checkpoint.pt"
+    os.mkfifo(checkpoint) if kind == "fifo" else checkpoint.mkdir()
+    for resume in ("resume=true", "overwrite=true"):
+        message = _one_line_error(_fl(run_dir, "rounds=1", resume))
+        what = "a FIFO" if kind == "fifo" else "a directory"
+        assert message == f"fl-run: {checkpoint} is {what}, not a regular file"
+    assert not (run_dir / "metrics.jsonl").exists()

@@ -34,6 +34,7 @@ from numpy._core.multiarray import _reconstruct  # numpy's own pickle hook for a
 
 from fl.common.checkpointable import state_types
 from fl.common.errors import RunError
+from fl.common.files import open_regular
 from fl.common.moved import old_names
 from fl.strategy.registry import available, get_strategy
 
@@ -194,8 +195,11 @@ def _read(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     for name in available():  # their modules mark their state classes checkpointable
         get_strategy(name)
     classes = state_types()  # and their names before fl/ was split into floors
-    with torch.serialization.safe_globals([*_NUMPY_GLOBALS, *classes, *old_names(classes)]):
-        payload = torch.load(path, weights_only=True)
+    with (
+        open_regular(path) as f,
+        torch.serialization.safe_globals([*_NUMPY_GLOBALS, *classes, *old_names(classes)]),
+    ):
+        payload = torch.load(f, weights_only=True)
     if not isinstance(payload, dict) or not set(required) <= payload.keys():
         raise ValueError(f"not a checkpoint of this framework (needs keys {list(required)})")
     return dict(_decode(payload))

@@ -21,9 +21,10 @@ from omegaconf import DictConfig, open_dict
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
 from fl.common.config import CONF_DIR, ConfigError, plain, require, to_run_config
 from fl.common.errors import RunError
+from fl.common.files import read_regular_text
 from fl.run.apps import Apps
 from fl.run.engines import run_engine
-from fl.run.settings import OUTPUT_DIR_RULE
+from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
 from fl.run.tracking import refuse_existing_run
 from fl.run.validation import validate
 
@@ -110,9 +111,16 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
     run_dir = latest_run()
     if run_dir is None:
         raise SystemExit(f"fl-run: resume=latest: no run with a checkpoint under {OUTPUTS}/")
-    saved_path = run_dir / OVERRIDES
-    saved = yaml.safe_load(saved_path.read_text()) if saved_path.exists() else []
-    own_keys = ("resume", "overwrite", "hydra.run.dir")
+    from fl.run.checkpoint import CHECKPOINT, load_checkpoint  # torch: only for a resume
+
+    try:
+        load_checkpoint(run_dir / CHECKPOINT, required=("config",))  # before its overrides
+        saved_path = run_dir / OVERRIDES
+        text = read_regular_text(saved_path) if saved_path.exists() else "[]"
+        saved = run_overrides(yaml.safe_load(text), str(saved_path))
+    except (RunError, ConfigError, yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SystemExit(f"fl-run: resume=latest: {run_dir}: {err}") from None
+    own_keys = ("resume", "overwrite")
     kept = [o for o in saved if o.lstrip("+~").split("=", 1)[0] not in own_keys]
     rest = [a for a in argv if a != "resume=latest"]
     print(f"fl-run: resuming {run_dir}", flush=True)

@@ -22,6 +22,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from fl.common.files import read_regular_text
+
 __all__ = ["ComparisonCallback", "Run", "compare_runs", "find_runs", "load_run", "main"]
 
 DIAGNOSTICS = (
@@ -46,9 +48,10 @@ class Run(NamedTuple):
 def load_run(run_dir: Path) -> Run:
     """A finished run's outputs; `experiment=` is left out of its overrides."""
     path = run_dir / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(path.read_text()) if path.exists() else []
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    overrides = yaml.safe_load(read_regular_text(path)) if path.exists() else []
+    metrics = read_regular_text(run_dir / "metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.splitlines()]
+    summary = json.loads(read_regular_text(run_dir / "summary.json"))
     kept = [o for o in overrides or [] if not o.startswith("experiment=")]
     return Run(run_dir.name, kept, rows, summary)
 

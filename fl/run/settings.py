@@ -18,7 +18,15 @@ from fl.common.config import (
     require,
 )
 
-__all__ = ["DEVICES", "FORK_FROM", "MAX_SEED", "OUTPUT_DIR_RULE", "check_keys", "check_run"]
+__all__ = [
+    "DEVICES",
+    "FORK_FROM",
+    "MAX_SEED",
+    "OUTPUT_DIR_RULE",
+    "check_keys",
+    "check_run",
+    "run_overrides",
+]
 
 DEVICES = ("auto", "cpu", "cuda")
 MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
@@ -94,3 +102,22 @@ def check_run(cfg: DictConfig) -> None:
         OUTPUT_DIR_RULE,
     )
     check_choice(cfg, "device", DEVICES)
+
+
+def run_overrides(saved: object, source: str) -> list[str]:
+    """A run folder's saved command line, checked as data: KEY=VALUE strings whose key is
+    one of the run's own (conf/config.yaml's keys and groups). A Hydra setting (`hydra.*`,
+    `hydra/...`, a package `@hydra`), a flag or anything else is refused, naming `source`:
+    Hydra would run what such a setting names (a callback's `_target_`)."""
+    if not isinstance(saved, list) or not all(isinstance(o, str) for o in saved):
+        raise ConfigError(f"{source}: not a list of overrides")
+    known = set(_known_keys())
+    for override in saved:
+        key, equals, _ = override.lstrip("+~").partition("=")
+        parts = re.split(r"[./@]", key)
+        if not equals or parts[0] not in known or any(p.startswith("hydra") for p in parts):
+            raise ConfigError(
+                f"{source}: {override!r} is not an override of the run's own keys; "
+                "a run folder is data, so it is not replayed"
+            )
+    return list(saved)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl.common.config import check_choice, plain
 from fl.common.errors import RunError
+from fl.common.files import require_regular
 
 __all__ = [
     "LOGGERS",
@@ -48,7 +49,10 @@ def holds_run(out_dir: Path) -> bool:
 
 
 def refuse_existing_run(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run in a directory that holds another run's outputs."""
+    """Refuse to start a fresh run in a directory that holds another run's outputs, and
+    any run in one where a run file is not a regular file (a FIFO, a directory)."""
+    for name in RUN_FILES:
+        require_regular(out_dir / name)
     if not resume and not overwrite and holds_run(out_dir):
         raise RunError(
             f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fl.common.files import read_regular_text
+
 __all__ = ["AvailabilityTrace", "SpeedTrace", "ToggleTrace"]
 
 
@@ -227,7 +229,7 @@ class AvailabilityTrace:
         The format FedScale's device behaviour traces are converted to (never unpickled).
         """
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = json.loads(read_regular_text(path))
             if not isinstance(raw, dict) or not isinstance(raw.get("clients"), dict):
                 raise ValueError('expected an object with a "clients" object')
             extra = sorted(set(raw) - {"clients", "period_s"})
