@@ -227,7 +227,7 @@ def test_more_bytes_than_declared_are_cut_off_both_ways():
         shorter = dataclasses.replace(reference, nbytes=100)  # a peer lying about the size
         with pytest.raises(ReferenceError, match="more than the 100 B declared"):
             fetch(offer, shorter)
-        stream = grpc.insecure_channel(service.address).stream_unary("/fl.net.transport.Bulk/Store")
+        stream = grpc.insecure_channel(service.address).stream_unary("/fl.transport.Bulk/Store")
         chunks = iter([b"x" * 600, b"x" * 600])
         meta = (("token", token), ("sha256", "0" * 64), ("nbytes", "1000"))
         with pytest.raises(grpc.RpcError) as cut:

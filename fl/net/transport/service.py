@@ -29,7 +29,7 @@ from fl.net.transport.store import BlobStore, StoreError
 __all__ = ["METHODS", "BulkService", "channel_options"]
 
 log = logging.getLogger(__name__)
-SERVICE = "/fl.net.transport.Bulk/"
+SERVICE = "/fl.transport.Bulk/"  # the wire name of the service: stable across releases
 METHODS = ("Fetch", "Store", "Describe", "Reserve", "Commit")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 
@@ -97,7 +97,7 @@ class BulkService:
                 }
             )
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("fl.net.transport.Bulk", handlers),)
+            (grpc.method_handlers_generic_handler("fl.transport.Bulk", handlers),)
         )
         host = _host(advertise or listen)
         self.ca_pem = ""
