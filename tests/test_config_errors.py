@@ -58,6 +58,10 @@ REFUSED_BY_VALIDATE = [
     (["transport=grpc", "transport.chunk_bytes=0"], "transport.chunk_bytes=0: must be an integer"),
     (["transport=grpc", "transport.timeout_s=0"], "transport.timeout_s=0: must be a finite number"),
     (["transport=grpc", "transport.name=ucx"], "transport.name='ucx': must be one of"),
+    (["resume=maybe"], "resume='maybe': must be true or false"),
+    (["overwrite=1"], "overwrite=1: must be true or false"),
+    (["engine.state_memory_mb=-1"], "engine.state_memory_mb=-1: must be a finite number >= 0"),
+    (["engine.state_memory_mb=abc"], "engine.state_memory_mb='abc': must be a finite number"),
 ]
 
 
@@ -171,3 +175,50 @@ def test_fl_run_exits_with_one_line(tmp_path, overrides, message):
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("fl-run: invalid config: ") and message in last
     assert not Path(run_dir / "metrics.jsonl").exists()
+
+
+# Refused before Hydra composes anything: one line with the choices, not Hydra's dump.
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["strategy=nonexistent"], "fl-run: strategy=nonexistent: no such option; choices: "),
+        (["task=nonexistent"], "fl-run: task=nonexistent: no such option; choices: cifar10, "),
+        (["transport=bogus"], "fl-run: transport=bogus: no such option; choices: grpc, inline"),
+        (["-m", "strategy=fedavg,bogus"], "fl-run: strategy=bogus: no such option; choices: "),
+    ],
+)
+def test_an_unknown_group_option_is_one_line_with_the_choices(tmp_path, overrides, line):
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={tmp_path / 'run'}", *overrides), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[-1]]
+    assert proc.stderr.strip().startswith(line)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["fork_from=/nonexistent/run"], "no checkpoint at /nonexistent/run/checkpoint.pt"),
+        (["engine.state_memory_mb=-1"], "engine.state_memory_mb=-1"),
+    ],
+)
+def test_a_refused_run_leaves_no_saved_command_line(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={run_dir}", *overrides), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert not (run_dir / ".hydra").exists()
+
+
+def test_a_transport_address_of_another_machine_is_one_line(tmp_path):
+    overrides = [
+        "transport=grpc",
+        "transport.listen=192.0.2.1:0",
+        "rounds=1",
+        "num_clients=2",
+        "clients_per_round=2",
+    ]
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={tmp_path}", *overrides), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fl-run: transport.listen=192.0.2.1:0: the bulk service cannot listen")

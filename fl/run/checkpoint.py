@@ -167,7 +167,7 @@ def _fork_source(spec: str) -> Path:
     if kept.exists():
         return kept
     latest = source / CHECKPOINT
-    if latest.exists() and _read(latest, REQUIRED)["progress"]["round"] == server_round:
+    if latest.exists() and _round_of(latest) == server_round:
         return latest
     rounds = sorted(int(p.stem.split("-")[1]) for p in (source / HISTORY).glob("round-*.pt"))
     raise CheckpointError(
@@ -183,11 +183,19 @@ def fork_into(spec: str, out_dir: Path, config: Mapping[str, Any]) -> None:
 
     The fork must keep FORK_KEEPS of its source's config; everything else may differ.
     """
-    source = _fork_source(spec)
-    saved = load_checkpoint(source)
+    source, saved = _usable(_fork_source(spec), REQUIRED)
     _check_changes(saved["config"], config, FORK_KEEPS, kept=True, what="fork")
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, out_dir / CHECKPOINT)
+    shutil.copyfile(source, out_dir / CHECKPOINT)  # the file that loaded, not a broken newer one
+
+
+def _round_of(path: Path) -> int | None:
+    """The round a checkpoint file holds; None if it does not load."""
+    try:
+        server_round = _read(path, REQUIRED)["progress"]["round"]
+    except Exception:  # a broken file holds no round: never executed, only refused
+        return None
+    return server_round if isinstance(server_round, int) else None
 
 
 def _read(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
@@ -223,6 +231,11 @@ def load_checkpoint(path: Path, required: tuple[str, ...] = REQUIRED) -> dict[st
 
     Usable: it loads safely and is a dict with the `required` keys.
     """
+    return _usable(path, required)[1]
+
+
+def _usable(path: Path, required: tuple[str, ...]) -> tuple[Path, dict[str, Any]]:
+    """`load_checkpoint`, also saying which file it loaded."""
     candidates = [p for p in (path, path.with_name(PREVIOUS)) if p.exists()]
     if not candidates:
         raise CheckpointError(
@@ -240,7 +253,7 @@ def load_checkpoint(path: Path, required: tuple[str, ...] = REQUIRED) -> dict[st
             continue
         if candidate != path:
             log.warning("resuming from the previous checkpoint %s", candidate)
-        return payload
+        return candidate, payload
     raise CheckpointError(f"no usable checkpoint in {path.parent}: " + "; ".join(problems))
 
 

@@ -50,11 +50,13 @@ def _main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         preflight(cfg)  # the user's output_dir; device, data files and partition sizes
-        refuse_existing_run(out_dir, resume=bool(cfg.resume), overwrite=bool(cfg.get("overwrite")))
-        _save_overrides(out_dir, resume=bool(cfg.resume))
+        resume = bool(cfg.resume)
+        refuse_existing_run(out_dir, resume=resume, overwrite=bool(cfg.overwrite))
+        forked = _fork(cfg, out_dir)  # checks its source before anything is written here
+        _save_overrides(out_dir, resume=resume)
         with open_dict(cfg):
             cfg.output_dir = str(out_dir)
-            cfg.resume = _fork(cfg, out_dir) or cfg.resume
+            cfg.resume = forked or resume
         print(f"fl-run: run directory {out_dir}", flush=True)
         run_engine(cfg, to_run_config(cfg), Apps.load())
     except (ConfigError, RunError) as err:
@@ -127,12 +129,43 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
     return [*kept, *rest, f"hydra.run.dir={run_dir}", "resume=true"]
 
 
+def _group_options(group: str) -> list[str] | None:
+    """The options of config group `group` (`strategy`, `experiment/asfl_arm`) in conf/ and
+    in strategy plugins' conf/; None if no such group."""
+    from hydra_plugins.adaptive_fl import plugin_conf_dirs
+
+    folders = [root / group for root in (CONF_DIR, *plugin_conf_dirs())]
+    folders = [f for f in folders if f.is_dir()]
+    if not folders:
+        return None
+    return sorted({p.stem for f in folders for p in f.glob("*.yaml")})
+
+
+def _check_choices(argv: list[str]) -> None:
+    """`GROUP=OPTION` overrides whose option does not exist, refused in one line with the
+    choices (Hydra's own error is a multi-line dump). Sweeps (`a,b`) are checked per option."""
+    for arg in argv:
+        key, equals, value = arg.lstrip("+~").partition("=")
+        group = key.partition("@")[0]
+        if not equals or arg.startswith("-") or not value.replace(",", "").strip():
+            continue
+        options = _group_options(group) if group.replace("/", "").isidentifier() else None
+        if options is None or not all(v.replace("_", "").isalnum() for v in value.split(",")):
+            continue  # not a group, or a sweep expression (choice(...), range(...)) for Hydra
+        missing = [v for v in value.split(",") if v not in options and v != "null"]
+        if missing:
+            raise SystemExit(
+                f"fl-run: {group}={missing[0]}: no such option; choices: {', '.join(options)}"
+            )
+
+
 def main() -> None:
     """Console-script entry point."""
     if "--version" in sys.argv[1:]:
         versions = f"flwr {version('flwr')}, torch {version('torch')}"
         print(f"adaptive-fl {version('adaptive-fl')} ({versions})")
         return
+    _check_choices(sys.argv[1:])
     sys.argv[1:] = _expand_resume_latest(sys.argv[1:])
     _main()
 

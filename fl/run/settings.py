@@ -91,7 +91,7 @@ def check_run(cfg: DictConfig) -> None:
         fork,
         "must be null, <run_dir> or <run_dir>@<round> (round a positive integer)",
     )
-    for key in ("checkpoint_history", "plots"):
+    for key in ("checkpoint_history", "plots", "resume", "overwrite", "progress"):
         require(isinstance(cfg.get(key, False), bool), key, cfg.get(key), "must be true or false")
     check_number(cfg, "time_budget_s", 0, strict=True, null=True)
     output_dir = cfg.get("output_dir")

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from cryptography.hazmat.primitives import serialization
 
+from fl.common.errors import RunError
 from fl.net.tls import make_ca, make_server_cert
 from fl.net.transport.nixl_link import Agent
 from fl.net.transport.store import BlobStore, StoreError
@@ -101,13 +102,21 @@ class BulkService:
         )
         host = _host(advertise or listen)
         self.ca_pem = ""
-        if tls:
-            credentials, self.ca_pem = _tls_credentials(host)
-            port = self._server.add_secure_port(listen, credentials)
-        else:
-            port = self._server.add_insecure_port(listen)
+        try:
+            if tls:
+                credentials, self.ca_pem = _tls_credentials(host)
+                port = self._server.add_secure_port(listen, credentials)
+            else:
+                port = self._server.add_insecure_port(listen)
+        except (
+            RuntimeError
+        ):  # grpc's "Failed to bind": an address not of this machine, a port in use
+            port = 0
         if port == 0:
-            raise OSError(f"the bulk service cannot listen on {listen}")
+            raise RunError(
+                f"transport.listen={listen}: the bulk service cannot listen there (an address "
+                "of this machine and a free port, e.g. 0.0.0.0:0)"
+            )
         self.address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
         self._server.start()
         log.info("bulk service (%s%s) on %s", "rdma" if rdma else "grpc", " + TLS" * tls, listen)

@@ -40,6 +40,7 @@ def check_engine(cfg: DictConfig) -> None:
     check_choice(cfg, "engine.name", ENGINES)
     if cfg.engine.name == "local":
         check_int(cfg, "engine.workers", 1)
+        check_number(cfg, "engine.state_memory_mb", 0)
     if cfg.engine.name == "deployment":
         check_number(cfg, "engine.node_wait_s", 0)
         allowed = OmegaConf.select(cfg, "engine.allowed_nodes")

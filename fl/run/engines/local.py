@@ -29,7 +29,6 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl.common.config import ConfigError
 from fl.run.apps import Apps
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
@@ -196,13 +195,9 @@ class LocalGrid(Grid):
 
 
 def _state_memory_bytes(cfg: Any) -> int:
-    """`engine.state_memory_mb` in bytes (a number >= 0; 0 keeps every state in SQLite)."""
-    value = cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise ConfigError(
-            f"invalid config: engine.state_memory_mb={value!r}: must be a number >= 0"
-        )
-    return int(value * 2**20)
+    """`engine.state_memory_mb` in bytes (checked by `check_engine`; 0 keeps every state in
+    SQLite)."""
+    return int(cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20) * 2**20)
 
 
 def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps) -> None:
