@@ -222,3 +222,14 @@ def test_a_transport_address_of_another_machine_is_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("fl-run: transport.listen=192.0.2.1:0: the bulk service cannot listen")
+
+
+def test_synthetic_too_large_for_memory_is_refused_before_it_is_generated(monkeypatch):
+    monkeypatch.setattr("fl.world.task.memory_bytes", lambda: 24 * 10**9)
+    cfg = compose(["task=synthetic", "num_clients=1000000", "clients_per_round=100"])
+    validate(cfg)
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg)
+    message = str(info.value)
+    assert "generates all 1,000,000 devices in memory, about 45 GB" in message
+    assert "more than this machine's 24 GB; use partition=natural" in message

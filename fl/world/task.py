@@ -34,6 +34,7 @@ __all__ = [
     "Task",
     "check_task",
     "get_task",
+    "memory_bytes",
     "resolve_device",
 ]
 
@@ -158,6 +159,8 @@ def _build(key: str) -> Task:
         options.setdefault("flat", False)
     if task["dataset"] == "synthetic" and part["scheme"] == "natural":
         return _generated(spec, options, device)
+    if task["dataset"] == "synthetic":
+        _refuse_unless_it_fits(options, part["scheme"])
     try:
         dataset = load_dataset(task["dataset"], seed=spec["seed"], root=task.get("root"), **options)
     except DatasetNotFoundError as err:
@@ -186,6 +189,30 @@ def _build(key: str) -> Task:
         spec["seed"],
         device,
     )
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _refuse_unless_it_fits(options: dict, scheme: str) -> None:
+    """Synthetic data split by any scheme but its devices is generated whole, in memory:
+    refuse before generating what this machine cannot hold (1,000,000 devices: ~45 GB)."""
+    values = [options.get(k, d) for k, d in (("num_devices", 20), ("samples_per_device", 60))]
+    dim = options.get("dim", 60)
+    if not all(isinstance(v, int | float) and v > 0 for v in (*values, dim)):
+        return  # SyntheticDevices names the bad option
+    # float32 features and an int64 label per sample, about 3x that at the peak (measured:
+    # 3.6 GB for 80,000 devices of 60 samples of dim 60)
+    need = 3 * values[0] * values[1] * (4 * dim + 8)
+    if need > memory_bytes():
+        raise ConfigError(
+            f"invalid config: partition={scheme} of synthetic generates all "
+            f"{values[0]:,} devices in memory, about {need / 1e9:.0f} GB, more than this "
+            f"machine's {memory_bytes() / 1e9:.0f} GB; use partition=natural (one client per "
+            "device, generated when asked for) or fewer clients"
+        )
 
 
 def _generated(spec: dict, options: dict, device: torch.device) -> Task:
