@@ -2,13 +2,15 @@
 
 import math
 
+import numpy as np
+import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fl.run.engines.local import LocalGrid
 from fl.strategy.server import ClientUpdate, ServerStrategy
-from fl.wire.codec import encode_dense
-from fl.wire.records import Layout
+from fl.wire.codec import CodecError, decode, encode, encode_dense
+from fl.wire.records import Layout, numpy_to_array
 from strategies.asfl import ASFLParams, ASFLServer
 from strategies.fedavg import FedAvgParams
 
@@ -70,3 +72,19 @@ def test_asfl_never_sees_a_nan_loss():
     _round(strategy, [vector, vector], losses=[math.nan, 0.5])
     assert strategy.stats.rejected == 1
     assert all(math.isfinite(u.metrics["train-loss"]) for u in strategy.stats.updates)
+
+
+@pytest.mark.parametrize("chain", ["masked", "masked+q8", "sparse", "topk"])
+def test_a_payload_with_an_extra_array_is_refused(chain):
+    """APF and APF# (masked), FedSU and top-k strategies (sparse): nothing is dropped quietly."""
+    vector, base = LAYOUT.flatten(GLOBAL) + 0.5, LAYOUT.flatten(GLOBAL)
+    mask = torch.arange(LAYOUT.numel) % 2 == 0
+    options = {
+        "masked": {"mask": mask, "ship_mask": True},
+        "sparse": {"indices": mask.nonzero()[:, 0]},
+    }
+    payload = encode(vector, chain, base=base, k=3, **options.get(chain.split("+")[0], {}))
+    decode(payload, LAYOUT, base=base, mask=mask)  # as sent: accepted
+    payload["arrays"]["smuggled"] = numpy_to_array(np.ones(3, dtype=np.float32))
+    with pytest.raises(CodecError, match="smuggled"):  # q8: 'no array smuggled:scale'
+        decode(payload, LAYOUT, base=base, mask=mask)

@@ -72,10 +72,13 @@ class Codec(ABC):
 
     `name` is unique and has no '+'. `control` names the arrays of the output that
     are positional metadata (control bytes); every other array holds values (payload).
+    `names`: the arrays a payload may hold, when they are fixed; `decode` refuses any other
+    (None: the codec checks its own, as dense does against the layout).
     """
 
     name: str
     control: frozenset[str] = frozenset()
+    names: frozenset[str] | None = None
 
     @abstractmethod
     def encode(self, vector: torch.Tensor, options: Options) -> ArrayRecord:
@@ -260,6 +263,8 @@ def decode(
     options = Options(layout=layout, base=base, mask=mask, groups=groups)
     if stage is not None:
         arrays = _unstaged(stage, codec, arrays, options)
+    if codec.names is not None and (extra := sorted(set(arrays) - codec.names)):
+        raise CodecError(f"{codec.name} payload has extra arrays {extra}")
     return codec.decode(arrays, options)
 
 

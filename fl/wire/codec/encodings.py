@@ -98,6 +98,7 @@ class Masked(Codec):
 
     name = "masked"
     control = frozenset({"mask"})
+    names = frozenset({"values", "mask"})
 
     def encode(self, vector: torch.Tensor, options: Options) -> ArrayRecord:
         """`values`, and with `ship_mask` the mask as a bitmap (d/8 bytes of control)."""
@@ -140,6 +141,7 @@ class Sparse(Codec):
 
     name = "sparse"
     control = frozenset({"indices"})
+    names = frozenset({"indices", "values"})
 
     def encode(self, vector: torch.Tensor, options: Options) -> ArrayRecord:
         """The values at `indices` (strictly increasing), and the indices."""
