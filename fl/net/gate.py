@@ -18,15 +18,22 @@ request, logging it. The Control API is then reachable only from the SuperLink's
         --ssl-certfile server.pem --ssl-keyfile server.key --ssl-ca-certfile ca.pem
     python -m fl.net.gate --listen 0.0.0.0:8000 --superlink 127.0.0.1:8001 \\
         --ssl-certfile server.pem --ssl-keyfile server.key --ssl-ca-certfile ca.pem
+
+Every wait has a deadline and every peer a share: a request's headers must arrive within
+`header_timeout_s` of the connection (or of the previous response), its body within
+`body_timeout_s`, and one address holds at most `max_connections_per_peer` connections,
+so idle or trickling connections from one outsider cannot lock SuperNodes out.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import re
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -36,8 +43,16 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["MAX_BODY_BYTES", "GateConfig", "is_forwarded", "main", "make_app"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "GateConfig",
+    "guarded_protocol",
+    "is_forwarded",
+    "main",
+    "make_app",
+]
 
 log = logging.getLogger("fl.net.gate")
 
@@ -79,7 +94,10 @@ class GateConfig:
     superlink: str  # host:port, normally 127.0.0.1:PORT
     root_certificates: str | None  # ca.pem; None: plain HTTP (an --insecure SuperLink)
     max_body_bytes: int = MAX_BODY_BYTES
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # the SuperLink's answer (a pull may wait for messages)
+    header_timeout_s: float = 10.0  # a request's headers, from connect or the last response
+    body_timeout_s: float = 60.0  # its body, MAX_BODY_BYTES at ~1 MB/s
+    max_connections_per_peer: int = 64  # open connections from one address
 
 
 def _headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -127,9 +145,19 @@ def make_app(config: GateConfig) -> Starlette:
             log.warning("refused %s %r from %s", request.method, raw_path.decode("latin-1"), peer)
             return Response(status_code=404)
         try:
-            body = await _body(request, config.max_body_bytes)
+            body = await asyncio.wait_for(
+                _body(request, config.max_body_bytes), config.body_timeout_s
+            )
         except ClientDisconnect:
             return Response(status_code=400)
+        except TimeoutError:
+            log.warning(
+                "refused %r from %s: body not sent within %gs",
+                raw_path,
+                peer,
+                config.body_timeout_s,
+            )
+            return Response(status_code=408)
         if body is None:
             log.warning(
                 "refused %r from %s: body over %d bytes", raw_path, peer, config.max_body_bytes
@@ -149,6 +177,66 @@ def make_app(config: GateConfig) -> Starlette:
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+
+
+def guarded_protocol(config: GateConfig) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with `config`'s header deadline and per-peer connection cap."""
+    open_by_peer: Counter[str] = Counter()
+
+    class Guarded(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _peer = ""
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._peer = self.client[0] if self.client else "?"
+            open_by_peer[self._peer] += 1
+            if open_by_peer[self._peer] > config.max_connections_per_peer:
+                log.warning(
+                    "refused a connection from %s: over %d open",
+                    self._peer,
+                    config.max_connections_per_peer,
+                )
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(config.header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _headers_late(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # no request under way
+                log.warning(
+                    "closed a connection from %s: no request within %gs",
+                    self._peer,
+                    config.header_timeout_s,
+                )
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request's headers are in: the body has its own deadline
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's headers
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            open_by_peer[self._peer] -= 1
+            if open_by_peer[self._peer] <= 0:
+                del open_by_peer[self._peer]
+            super().connection_lost(exc)
+
+    return Guarded
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -181,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--insecure", action="store_true", help="plain HTTP on both sides (trusted networks only)"
     )
     parser.add_argument("--max-body-mib", type=int, default=MAX_BODY_BYTES >> 20)
+    parser.add_argument("--header-timeout-s", type=float, default=GateConfig.header_timeout_s)
+    parser.add_argument("--body-timeout-s", type=float, default=GateConfig.body_timeout_s)
+    parser.add_argument(
+        "--max-connections-per-peer", type=int, default=GateConfig.max_connections_per_peer
+    )
     args = parser.parse_args(argv)
     tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
     if args.insecure == any(tls) or not (args.insecure or all(tls)):
@@ -188,7 +281,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = args.listen
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded call
-    config = GateConfig(args.superlink, args.ssl_ca_certfile, args.max_body_mib << 20)
+    config = GateConfig(
+        args.superlink,
+        args.ssl_ca_certfile,
+        args.max_body_mib << 20,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections_per_peer=args.max_connections_per_peer,
+    )
     log.info(
         "Fleet gate on %s:%d -> %s (Control and Runtime API refused)", host, port, config.superlink
     )
@@ -198,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=port,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        http=guarded_protocol(config),
+        ws="none",  # the Fleet API is plain HTTP
         access_log=False,
         log_config=None,  # uvicorn's lines go through the root handler set up above
     )
