@@ -1,6 +1,8 @@
 """Hostile or broken replies that pass every type check: the model survives them."""
 
 import math
+import mmap
+import os
 
 import numpy as np
 import pytest
@@ -88,3 +90,26 @@ def test_a_payload_with_an_extra_array_is_refused(chain):
     payload["arrays"]["smuggled"] = numpy_to_array(np.ones(3, dtype=np.float32))
     with pytest.raises(CodecError, match="smuggled"):  # q8: 'no array smuggled:scale'
         decode(payload, LAYOUT, base=base, mask=mask)
+
+
+def test_a_download_segment_lent_read_only_cannot_be_written_through_a_reopen():
+    from fl.net.transport.segments import Segment
+
+    segment = Segment.create(2**20, peer_writes=False)
+    try:
+        with segment.view(4) as view:
+            view[:4] = b"good"  # the agent's own mapping still writes (the next download)
+        lent = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY)
+        path = f"/proc/self/fd/{lent}"
+        reopened = os.open(path, os.O_RDWR)  # what a hostile ClientApp would try
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(reopened, b"evil", 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(reopened, 4, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+        finally:
+            os.close(reopened)
+            os.close(lent)
+        assert bytes(segment.memory[:4]) == b"good"
+    finally:
+        segment.close()

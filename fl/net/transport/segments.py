@@ -5,7 +5,10 @@ with NIXL once, and hands to a ClientApp process as a file descriptor over a Uni
 (SCM_RIGHTS). The file has no name anywhere, so nothing is left behind when either
 process dies, and nobody can open it by guessing a path. Its size is sealed
 (`F_SEAL_SHRINK | F_SEAL_GROW`): a ClientApp cannot truncate it under the sidecar's
-mapping (which would crash the sidecar with SIGBUS on its next access).
+mapping (which would crash the sidecar with SIGBUS on its next access). A download segment
+is also sealed against writes (`F_SEAL_FUTURE_WRITE`) once the sidecar has mapped it: only
+that mapping may write, so a ClientApp that reopens its read-only descriptor read-write
+through /proc/self/fd cannot change bytes that the next ClientApp reads after its check.
 
 `SegmentPool` keeps finished segments for reuse (their NIXL registration and touched
 pages included), within a byte limit.
@@ -26,6 +29,8 @@ __all__ = ["Segment", "SegmentError", "SegmentPool", "map_segment"]
 
 GRAIN = 2**20  # capacities are rounded up to this, so near sizes share segments
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Linux >= 5.1; Python's fcntl names it from 3.12 on
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -44,13 +49,15 @@ class Segment:
     uses: int = field(default=0)
 
     @classmethod
-    def create(cls, capacity: int) -> Segment:
+    def create(cls, capacity: int, *, peer_writes: bool = True) -> Segment:
+        """A new segment; unless `peer_writes`, only the mapping made here can write it."""
         fd = os.memfd_create("fl-bulk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, capacity)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             flags = mmap.MAP_SHARED | _POPULATE
             memory = mmap.mmap(fd, capacity, flags=flags) if capacity else mmap.mmap(-1, 1)
+            seals = _SEALS if peer_writes else _SEALS | F_SEAL_FUTURE_WRITE
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         except BaseException:
             os.close(fd)
             raise
@@ -75,10 +82,19 @@ class SegmentPool:
     `give_back` returns it. Free segments are closed, largest first, when a new one would
     not fit under the limit; a lease that cannot fit even then is refused. `on_close`
     runs before a segment is closed (the sidecar deregisters it from NIXL there).
+    `peer_writes`: whether the processes a segment is lent to write it (uploads) or only
+    read it (downloads: sealed against their writes).
     """
 
-    def __init__(self, max_bytes: int, on_close: Callable[[Segment], None] | None = None):
+    def __init__(
+        self,
+        max_bytes: int,
+        on_close: Callable[[Segment], None] | None = None,
+        *,
+        peer_writes: bool = True,
+    ):
         self.max_bytes = max_bytes
+        self.peer_writes = peer_writes
         self._on_close = on_close
         self._lock = threading.Lock()
         self._free: list[Segment] = []
@@ -117,7 +133,7 @@ class SegmentPool:
         try:  # (outside the lock: making a large segment takes a while)
             for old in doomed:
                 self._close(old)
-            segment = Segment.create(capacity)
+            segment = Segment.create(capacity, peer_writes=self.peer_writes)
         except BaseException:
             with self._lock:
                 self._creating -= capacity

@@ -82,7 +82,7 @@ class Sidecar:
         if self.nixl:
             agent()  # now, not on the first transfer
         self.channels = Channels(keep=True)
-        self.down = SegmentPool(max_bytes, on_close=self._deregister)
+        self.down = SegmentPool(max_bytes, on_close=self._deregister, peer_writes=False)
         self.up = SegmentPool(max_bytes, on_close=self._deregister)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
