@@ -15,6 +15,9 @@ from fl.common.config import from_run_config
 from fl.common.seeding import pin_torch_threads
 from fl.net.transport import transport_grid
 from fl.run.validation import validate
+from fl.strategy.server import reply_limit
+from fl.wire.records import Layout
+from fl.world.task import get_task
 from server.loop import run_training
 from server.nodes import AllowedGrid, allowed_nodes, node_wait_s, wait_for_nodes
 
@@ -39,5 +42,6 @@ def main(grid: Grid, context: Context) -> None:
         grid = AllowedGrid(grid, allowed)
     wait_for_nodes(grid, cfg.num_clients, node_wait_s(cfg))
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
-    with transport_grid(grid, cfg) as bulk:  # transport=grpc|rdma: arrays beside messages
+    limit = reply_limit(Layout.of(get_task(cfg).new_model().state_dict()))  # (task: cached)
+    with transport_grid(grid, cfg, limit) as bulk:  # transport=grpc|rdma: arrays beside messages
         run_training(bulk, cfg, out_dir)

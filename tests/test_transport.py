@@ -14,6 +14,9 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -41,7 +44,7 @@ from fl.net.transport.offer import OFFER, Offer
 from fl.net.transport.peer import fetch, upload
 from fl.net.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
 from fl.net.transport.service import BulkService
-from fl.net.transport.store import BlobStore
+from fl.net.transport.store import BlobStore, StoreError
 from fl.run.engines.local import LocalGrid
 from fl.run.validation import validate
 from fl.strategy.server import ClientUpdate, ServerStrategy
@@ -540,3 +543,54 @@ def test_the_config_files_hold_the_settings_defaults(name):
     defaults = dataclasses.asdict(TransportSettings())
     assert values == {k: v for k, v in defaults.items() if k in values}
     assert set(values) == set(defaults) - {"name", "tls"}
+
+
+def _trickle(first: bytes, hold: threading.Event) -> Iterator[bytes]:
+    """An upload stream that sends `first`, then waits (a slow or stalled peer)."""
+    yield first
+    hold.wait(30)
+
+
+def test_an_upload_stream_is_one_per_token_and_cut_off_at_its_deadline():
+    service = BulkService(
+        BlobStore(2**20),
+        listen="127.0.0.1:0",
+        advertise=None,
+        tls=False,
+        chunk_bytes=1000,
+        workers=4,
+        upload_timeout_s=1.0,
+    )
+    hold = threading.Event()
+    try:
+        _, reference, blob = Packer(min_bytes=1).pack(_content())
+        token = service.store.issue()
+        service.store.publish(token, reference.sha256, blob)
+        store = grpc.insecure_channel(service.address).stream_unary("/fl.transport.Bulk/Store")
+        meta = (("token", token), ("sha256", "0" * 64), ("nbytes", "1000"))
+        slow = store.future(_trickle(b"x", hold), metadata=meta, timeout=30)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as second:  # the same token, a second stream
+            store(iter([b"x" * 1000]), metadata=meta, timeout=10)
+        assert second.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "already under way" in second.value.details()
+        fetched = fetch(_offer(service, token), reference)  # fetches are still served
+        assert bytes(fetched) == bytes(blob)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError):
+            slow.result(timeout=10)  # cut off by the service at its deadline
+        assert time.monotonic() - started < 5
+        service.store.begin_upload(token, 10)  # the token's stream is free again
+    finally:
+        hold.set()
+        service.stop()
+
+
+def test_uploads_are_capped_by_the_runs_reply_bound():
+    cfg = compose(["transport=grpc"])
+    local = LocalGrid(_echo_app(), 1, {})
+    with transport_grid(local, cfg, max_reply_bytes=5000) as bulk:
+        assert isinstance(bulk, BulkGrid) and bulk.store.max_upload_bytes == 5000
+        token = bulk.store.issue()
+        with pytest.raises(StoreError, match="exceeds the limit of 5000 B"):
+            bulk.store.begin_upload(token, 5001)

@@ -46,6 +46,7 @@ __all__ = [
     "RoundStats",
     "ServerStrategy",
     "UploadParts",
+    "reply_limit",
 ]
 
 # What an algorithm overrides: who trains, what each is sent, how a reply is read and
@@ -302,9 +303,7 @@ class ServerStrategy(FedAvg):
         if self.max_payload_bytes is not None:
             return self.max_payload_bytes
         assert self.layout is not None
-        sizes, dtypes = self.layout.sizes, self.layout.dtypes
-        dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
-        return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK
+        return reply_limit(self.layout)
 
     @final
     def check_reply(self, reply: Message) -> ClientUpdate:
@@ -547,3 +546,10 @@ def _finite_metric(value: Any) -> bool:
     """A MetricRecord value (a number or a list of numbers) with no NaN or Inf in it."""
     values = value if isinstance(value, list) else [value]
     return all(not isinstance(v, float) or math.isfinite(v) for v in values)
+
+
+def reply_limit(layout: Layout) -> int:
+    """The default bound on a reply's bytes: PAYLOAD_FACTOR dense models and PAYLOAD_SLACK."""
+    sizes, dtypes = layout.sizes, layout.dtypes
+    dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
+    return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK

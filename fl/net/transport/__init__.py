@@ -11,6 +11,7 @@ for every ClientApp process. docs/TRANSPORT.md says which library does what.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,10 +39,13 @@ TRANSPORTS = ("inline", "grpc", "rdma")  # conf/transport/NAME.yaml
 
 
 @contextmanager
-def transport_grid(grid: Grid, cfg: Any) -> Iterator[Grid]:
+def transport_grid(grid: Grid, cfg: Any, max_reply_bytes: int | None = None) -> Iterator[Grid]:
     """`grid` itself for `transport=inline`, else wrapped in a `BulkGrid` whose bulk
-    service stops on exit."""
+    service stops on exit. `max_reply_bytes`: the largest reply the run accepts at all (the
+    server half's bound), which caps an upload below `transport.max_upload_bytes`."""
     settings = TransportSettings.from_config(cfg)
+    if max_reply_bytes is not None and max_reply_bytes < settings.max_upload_bytes:
+        settings = dataclasses.replace(settings, max_upload_bytes=max_reply_bytes)
     if settings.name == "inline":
         yield grid
         return

@@ -94,6 +94,7 @@ class BulkGrid(DelegatingGrid):
             tls=settings.tls,
             chunk_bytes=settings.chunk_bytes,
             rdma=settings.name == "rdma",
+            upload_timeout_s=settings.timeout_s,
         )
         self.packer = Packer(settings.min_bytes)
         self.counts: Counter[str] = Counter()

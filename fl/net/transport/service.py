@@ -72,9 +72,13 @@ class BulkService:
         chunk_bytes: int,
         rdma: bool = False,
         workers: int = 8,
+        upload_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.upload_timeout_s = upload_timeout_s
+        # uploads get at most half the workers: slow uploaders never block every fetch
+        self._upload_slots = threading.BoundedSemaphore(max(1, workers // 2))
         self.agent = Agent() if rdma else None  # a raises TransportUnavailable without NIXL
         self._reserved: dict[str, tuple[str, bytearray]] = {}  # token -> (sha256, buffer)
         self._published: dict[str, bytearray] = {}  # sha256 -> blob registered with NIXL
@@ -141,10 +145,33 @@ class BulkService:
         if not _DIGITS.fullmatch(size):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nbytes is not a number")
         nbytes = int(size)
+        if not self._upload_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many uploads under way")
         try:
-            self.store.check_upload(token, nbytes)
+            self.store.begin_upload(token, nbytes)
         except StoreError as err:
+            self._upload_slots.release()
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        # a peer that trickles is cut off: the stream is cancelled at the deadline
+        deadline = threading.Timer(self.upload_timeout_s, context.cancel)
+        deadline.start()
+        try:
+            buffer = self._receive(chunks, nbytes, context)
+            if not deadline.is_alive():
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "upload too slow: cut off")
+            try:
+                self.store.accept_upload(token, sha, buffer)
+            except StoreError as err:
+                context.abort(grpc.StatusCode.DATA_LOSS, str(err))
+        finally:
+            deadline.cancel()
+            self.store.end_upload(token)
+            self._upload_slots.release()
+        return b"ok"
+
+    @staticmethod
+    def _receive(chunks: Iterator[bytes], nbytes: int, context: grpc.ServicerContext) -> bytearray:
+        """Exactly the `nbytes` declared, or the stream is aborted."""
         buffer = bytearray(nbytes)
         view, received = memoryview(buffer), 0
         for chunk in chunks:
@@ -155,11 +182,7 @@ class BulkService:
             received += len(chunk)
         if received != nbytes:
             context.abort(grpc.StatusCode.DATA_LOSS, f"{received} of {nbytes} declared bytes")
-        try:
-            self.store.accept_upload(token, sha, buffer)
-        except StoreError as err:
-            context.abort(grpc.StatusCode.DATA_LOSS, str(err))
-        return b"ok"
+        return buffer
 
     # ----- NIXL control calls (JSON in, JSON out) ---------------------------------------
     def _json(

@@ -2,7 +2,8 @@
 
 Every instruction the ServerApp sends through the side channel gets a fresh random
 token. The token lets its node fetch the blobs published for it and upload one reply
-blob of at most `max_upload_bytes`; nothing else can be fetched or stored. Downlink
+blob of at most `max_upload_bytes`, one stream at a time; nothing else can be fetched or
+stored. Downlink
 blobs are kept once per content (every node receives the same global model) and freed
 when no live token needs them; tokens expire after `ttl_s`.
 """
@@ -31,6 +32,7 @@ class _Ticket:
     downloads: set[str] = field(default_factory=set)  # sha256 of blobs it may fetch
     upload: bytearray | None = None
     upload_sha256: str = ""
+    uploading: bool = False  # an upload stream is under way
 
 
 class BlobStore:
@@ -81,11 +83,30 @@ class BlobStore:
     def check_upload(self, token: str, nbytes: int) -> None:
         """Refuse an upload of `nbytes` before any byte arrives."""
         with self._lock:
-            ticket = self._ticket(token)
-            if ticket.upload is not None:
-                raise StoreError("this token already uploaded its reply")
+            self._check_upload(self._ticket(token), nbytes)
+
+    def _check_upload(self, ticket: _Ticket, nbytes: int) -> None:
+        if ticket.upload is not None:
+            raise StoreError("this token already uploaded its reply")
         if not 0 <= nbytes <= self.max_upload_bytes:
             raise StoreError(f"upload of {nbytes} B exceeds the limit of {self.max_upload_bytes} B")
+
+    def begin_upload(self, token: str, nbytes: int) -> None:
+        """Claim `token`'s one upload stream for `nbytes`; `end_upload` or `accept_upload`
+        frees it. A second stream while one runs is refused: one token, one buffer."""
+        with self._lock:
+            ticket = self._ticket(token)
+            self._check_upload(ticket, nbytes)
+            if ticket.uploading:
+                raise StoreError("an upload for this token is already under way")
+            ticket.uploading = True
+
+    def end_upload(self, token: str) -> None:
+        """The upload stream of `token` ended without an accepted upload."""
+        with self._lock:
+            ticket = self._tickets.get(token)
+            if ticket is not None:
+                ticket.uploading = False
 
     def accept_upload(self, token: str, sha256: str, data: bytearray) -> None:
         """Keep a received upload if its SHA-256 is the one declared."""
@@ -94,7 +115,7 @@ class BlobStore:
             raise StoreError("upload does not match its declared SHA-256")
         with self._lock:
             ticket = self._ticket(token)
-            ticket.upload, ticket.upload_sha256 = data, sha256
+            ticket.upload, ticket.upload_sha256, ticket.uploading = data, sha256, False
 
     def take_upload(self, token: str, sha256: str) -> bytearray:
         """The verified upload of `token` whose SHA-256 is `sha256`."""
