@@ -199,14 +199,25 @@ class BulkGrid(DelegatingGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Push, then pull until every reply (retries included) is in or `timeout` passes."""
+        """Push, then pull until every reply (retries included) is in or `timeout` passes.
+
+        An engine that answers in the pull itself (`synchronous`, the local engine) will
+        never bring a reply it did not bring then: only instructions re-pushed during that
+        pull (a node's retry inline) are waited for, once more.
+        """
         waiting = set(self.push_messages(messages)) - {""}
         deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        synchronous = bool(getattr(self.inner, "synchronous", False))
         replies: list[Message] = []
         while waiting:
+            retried = {i for i in waiting if self._sent[i].retried}
             landed = list(self.pull_messages(sorted(waiting)))
             replies += landed
             waiting -= {r.metadata.reply_to_message_id for r in landed}
+            if synchronous:
+                waiting = {
+                    i for i in waiting if i in self._sent and self._sent[i].retried
+                } - retried
             if not waiting or time.monotonic() >= deadline:
                 break
             if not landed:
