@@ -1,6 +1,6 @@
 """The GPU checks of issue 15 in one short script: passes without a GPU, exercises CUDA with one.
 
-- the cluster client on CUDA (`clients.cluster.gpu_cluster_check`): NCCL ranks on two or
+- the cluster client on CUDA (`clients.cluster_check.gpu_cluster_check`): NCCL ranks on two or
   more GPUs, else gloo ranks on CUDA tensors plus a one-rank NCCL all-reduce; the
   batch-weighted gradient must equal the full-batch one within 1e-6;
 - CUDA tensors on the bulk side channel (`cuda_bulk_check`): a ResNet-18-sized state_dict
@@ -29,7 +29,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.cluster import gpu_cluster_check
+from clients.cluster_check import gpu_cluster_check
 
 GRADIENT_TOLERANCE = 1e-6
 

@@ -10,7 +10,7 @@ global batch of X = 256 digits samples is split BSP's way (X/N each) and LB-BSP'
 (∝ predicted speed); the batch-weighted gradient of the per-worker mean gradients is
 compared with the full-batch gradient, and both runs train the MLP to compare their
 losses. Iteration time is the slowest worker's x_i/v_i (compute-bound).
-The same exactness with real processes: `clients.cluster.cluster_check` (2 gloo ranks).
+The same exactness with real processes: `clients.cluster_check.cluster_check` (2 gloo ranks).
 
 GPU cluster (a model, not GPUs): 6 devices of 3 types with time
 t_i(x) = max(a_i, b_i·x + c_i)·(1 + 2 % noise) and memory caps; the leader/straggler loop
@@ -361,7 +361,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, Any] = {"cpu": cpu_variant(args.iterations), "gpu": gpu_variant(400)}
     if not args.no_processes:
-        from clients.cluster import cluster_check
+        from clients.cluster_check import cluster_check
 
         results["gloo"] = cluster_check(2, "gloo", "cpu")
     if args.fl is not None:

@@ -16,8 +16,9 @@ import torch
 from conftest import fl_env, train_in_process
 from flwr.app import Context
 
-from clients.cluster import ClusterConfig, RankBatchSampler, ShareController, cluster_check
 from clients.cluster import app as cluster_app
+from clients.cluster_check import cluster_check
+from clients.ranks import ClusterConfig, RankBatchSampler, ShareController
 from clients.trainer import TrainSettings, _batches
 from fl.run.engines.local import LocalGrid
 from fl.strategy.client import ClientHooks
@@ -156,7 +157,7 @@ def test_cluster_clientapp_trains_as_one_process_would(tmp_path: Path):
 
 
 def test_gpu_check_runs_nccl_on_cuda_or_says_why_it_skipped():
-    from clients.cluster import gpu_cluster_check
+    from clients.cluster_check import gpu_cluster_check
 
     result = gpu_cluster_check()
     if not torch.cuda.is_available():

@@ -17,7 +17,7 @@ from conftest import REPO, read_metrics
 from federation import TWO_ROUNDS, Federation, app_copy, local_rows, submit
 from flwr.common.config import parse_config_args
 
-from clients.cluster import ClusterConfig
+from clients.ranks import ClusterConfig
 
 # Step 2a's node config, strings quoted as Flower's `--node-config` parser requires.
 CLUSTER = 'cluster-ranks=2 cluster-backend="gloo" cluster-slowdown="1,3"'
