@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from fl.common.config import compose
 from fl.run.checkpoint import load_checkpoint, save_checkpoint
 from fl.run.engines.local import LocalGrid
-from fl.run.engines.node_states import NodeStates
+from fl.run.engines.node_states import NodeStateError, NodeStates
 from fl.run.loops import LoopSettings, RoundDriver
 from fl.world.data import SyntheticDevices
 from fl.world.population import NodeIds, PartitionMap, member
@@ -137,7 +137,7 @@ def test_node_states_round_trip_exactly_in_memory_and_in_sqlite(tmp_path):
         assert dict(back["meta"]) == dict(state["meta"])
         assert len(store.get_state(5)) == 0
     assert spilled.spilled and not memory.spilled
-    assert list(tmp_path.glob("node-states-*.sqlite"))
+    assert not list(tmp_path.glob("node-states-*"))  # open but nameless: a kill leaves nothing
     # what a checkpoint saves: only non-empty states, restored into a fresh grid
     save_checkpoint(tmp_path / "ck.pt", {"nodes": spilled, "rest": 1})
     saved = load_checkpoint(tmp_path / "ck.pt", required=("nodes",))["nodes"]
@@ -181,3 +181,13 @@ def test_a_context_is_what_a_supernode_would_hold():
     assert reply.metadata.src_node_id == node and seen == [(49_999, 50_000)]
     assert (grid.built, grid.live) == (1, 0)
     assert grid.partition_map() is None  # this app does not announce its node config
+
+
+def test_a_spilled_state_that_does_not_decode_is_one_clear_error(tmp_path):
+    states = NodeStates(tmp_path, memory_bytes=0)
+    states.put(7, RecordDict({"meta": ConfigRecord({"version": 3})}))
+    assert states.spilled
+    states._db.execute("UPDATE states SET state = ? WHERE node = 7", (b"\xff\x00garbage",))
+    with pytest.raises(NodeStateError, match="the saved state of node 7 does not decode"):
+        states.get_state(7)
+    states.close()

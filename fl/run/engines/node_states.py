@@ -3,7 +3,9 @@
 A node's `Context.state` (a Flower `RecordDict`) lives here between the rounds it is
 sampled in, as Flower's own protobuf bytes; nodes whose state is empty cost nothing.
 Past a memory budget every state moves to a SQLite file, so a long run over millions of
-stateful clients is bounded by disk, not RAM.
+stateful clients is bounded by disk, not RAM. The file is unlinked as soon as it is open:
+it has no name while the run uses it, so a killed run leaves nothing behind and no other
+process opens it by its path; a row that does not decode is a `NodeStateError`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from flwr.app import RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
 
-__all__ = ["NodeStates"]
+from fl.common.errors import RunError
+
+__all__ = ["NodeStateError", "NodeStates"]
 
 DEFAULT_MEMORY_BYTES = 256 * 2**20
 
@@ -28,8 +32,15 @@ def _encode(state: RecordDict) -> bytes:
     return bytes(recorddict_to_proto(state).SerializeToString())
 
 
-def _decode(data: bytes) -> RecordDict:
-    return recorddict_from_proto(ProtoRecordDict.FromString(data))
+class NodeStateError(RunError):
+    """A saved node state that does not decode (a damaged spill file)."""
+
+
+def _decode(data: bytes, node: int) -> RecordDict:
+    try:
+        return recorddict_from_proto(ProtoRecordDict.FromString(data))
+    except Exception as err:  # protobuf's DecodeError, or a record Flower refuses
+        raise NodeStateError(f"the saved state of node {node} does not decode: {err}") from None
 
 
 class NodeStates(Mapping[int, RecordDict]):
@@ -47,7 +58,6 @@ class NodeStates(Mapping[int, RecordDict]):
         self._memory: dict[int, bytes] = {}
         self._held = 0  # bytes in `_memory`
         self._db: sqlite3.Connection | None = None
-        self._path: Path | None = None
         self._lock = threading.Lock()
 
     @property
@@ -58,7 +68,7 @@ class NodeStates(Mapping[int, RecordDict]):
     def get_state(self, node: int) -> RecordDict:
         """The node's state, or an empty one if it has none."""
         data = self._read(node)
-        return RecordDict() if data is None else _decode(data)
+        return RecordDict() if data is None else _decode(data, node)
 
     def put(self, node: int, state: RecordDict) -> None:
         """Keep the node's state (an empty one is forgotten)."""
@@ -87,21 +97,18 @@ class NodeStates(Mapping[int, RecordDict]):
                 self._db.execute("DELETE FROM states")
 
     def close(self) -> None:
-        """Drop the SQLite file, if the states spilled to one."""
+        """Close the SQLite file, if the states spilled to one (it has no name: it goes)."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
-            if self._path is not None:
-                self._path.unlink(missing_ok=True)
-                self._path = None
 
     # ----- Mapping (what a checkpoint saves) ----------------------------------------------
     def __getitem__(self, node: int) -> RecordDict:
         data = self._read(node)
         if data is None:
             raise KeyError(node)
-        return _decode(data)
+        return _decode(data, node)
 
     def __iter__(self) -> Iterator[int]:
         with self._lock:
@@ -128,12 +135,12 @@ class NodeStates(Mapping[int, RecordDict]):
         """Move every state to a fresh SQLite file (under the lock)."""
         fd, name = tempfile.mkstemp(prefix="node-states-", suffix=".sqlite", dir=self.spill_dir)
         os.close(fd)
-        self._path = Path(name)
         # One writer (this process); losing the file loses nothing the checkpoint lacks.
         self._db = sqlite3.connect(name, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode = OFF")
+        self._db.execute("PRAGMA journal_mode = OFF")  # no -journal file beside it: one file
         self._db.execute("PRAGMA synchronous = OFF")
         self._db.execute("CREATE TABLE states (node INTEGER PRIMARY KEY, state BLOB NOT NULL)")
+        os.unlink(name)  # open, nameless: nothing left after a kill, nothing to open by path
         self._db.executemany("INSERT INTO states VALUES (?, ?)", self._memory.items())
         self._memory.clear()
         self._held = 0
