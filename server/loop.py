@@ -27,6 +27,8 @@ from fl.mechanisms.robust import example_bounds, robust_options
 from fl.run.arrivals import RealArrivals
 from fl.run.checkpoint import (
     CHECKPOINT,
+    CheckpointError,
+    check_contents,
     check_resumable,
     load_checkpoint,
     restore_rng,
@@ -108,12 +110,20 @@ def make_strategy(cfg: DictConfig) -> ServerStrategy:
 def _restore(
     saved: dict[str, Any], strategy: ServerStrategy, grid: Grid
 ) -> tuple[Progress, dict[str, Any], list[dict[str, Any]]]:
-    """Counters, global model and metrics rows of a checkpoint; restores strategy, nodes, RNGs."""
-    strategy.load_state_dict(saved["strategy"])
-    if hasattr(grid, "load_state_dict") and saved["nodes"] is not None:
-        grid.load_state_dict(saved["nodes"])
-    restore_rng(saved["rng"])
-    progress = Progress(**saved["progress"])
+    """Counters, global model and metrics rows of a checkpoint; restores strategy, nodes, RNGs.
+
+    What the checkpoint holds is checked (`check_contents`), and a state its strategy,
+    engine or RNGs cannot take is a CheckpointError, not a traceback."""
+    try:
+        strategy.load_state_dict(saved["strategy"])
+        if hasattr(grid, "load_state_dict") and saved["nodes"] is not None:
+            grid.load_state_dict(saved["nodes"])
+        restore_rng(saved["rng"])
+        progress = Progress(**saved["progress"])
+    except CheckpointError:
+        raise
+    except Exception as err:  # any field of the wrong kind: refused, never half-applied on
+        raise CheckpointError(f"checkpoint: its state does not fit this run: {err!r}") from None
     log.info("resumed from round %d", progress.round)
     return progress, saved["arrays"], list(saved["rows"])
 
@@ -138,6 +148,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     progress, state = Progress(), task.new_model().state_dict()
     rows: list[dict[str, Any]] = []
     if saved is not None:
+        check_contents(saved, state)
         progress, state, rows = _restore(saved, strategy, grid)
     real = None
     if settings.arrival == "real":
@@ -153,7 +164,10 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     )
 
     if saved is not None:
-        driver.load_state_dict(saved["loop"])
+        try:
+            driver.load_state_dict(saved["loop"])
+        except Exception as err:
+            raise CheckpointError(f"checkpoint: its loop state does not fit: {err!r}") from None
     arrays = ArrayRecord(state)
     privacy = RoundPrivacy(cfg, task, out_dir)  # ε per client; ledger grant and charges
     privacy.load_state_dict(progress.extra.get("privacy", {}))

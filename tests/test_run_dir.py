@@ -263,3 +263,41 @@ def test_a_run_file_that_is_not_a_regular_file_is_refused_before_any_round(tmp_p
         what = "a FIFO" if kind == "fifo" else "a directory"
         assert message == f"fl-run: {checkpoint} is {what}, not a regular file"
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def _nan_model(saved):
+    name = next(iter(saved["arrays"]))
+    saved["arrays"][name] = torch.full_like(saved["arrays"][name], float("nan"))
+
+
+def _wrong_shape(saved):
+    name = next(iter(saved["arrays"]))
+    saved["arrays"][name] = torch.zeros(3)
+
+
+TAMPERED = {
+    "round of the wrong type": (lambda s: s["progress"].update(round="3"), "round '3'"),
+    "round 10^12": (lambda s: s["progress"].update(round=10**12), "round 1000000000000"),
+    "clock of -1e300": (lambda s: s["progress"].update(virtual_time_s=-1e300), "virtual_time_s"),
+    "NaN model": (_nan_model, "is not finite"),
+    "wrong tensor shape": (_wrong_shape, "is not torch.float32"),
+    "bad RNG state": (lambda s: s["rng"].update(torch=torch.zeros(3)), "does not fit this run"),
+    "strategy state without its sync": (lambda s: s["strategy"].pop("sync"), "does not fit"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_checkpoint_whose_contents_do_not_fit_is_refused_in_one_line(runs, tmp_path, case):
+    run_dir = _copy(runs, tmp_path)
+    saved = load_checkpoint(run_dir / "checkpoint.pt")
+    tamper, message = TAMPERED[case]
+    tamper(saved)
+    (run_dir / "checkpoint.prev.pt").unlink(missing_ok=True)
+    (run_dir / "checkpoint.pt").unlink()
+    from fl.run.checkpoint import save_checkpoint
+
+    save_checkpoint(run_dir / "checkpoint.pt", saved)
+    rows_before = (run_dir / "metrics.jsonl").read_bytes()
+    line = _one_line_error(_fl(run_dir, *RUN, "rounds=5", "resume=true"))
+    assert line.startswith("fl-run: checkpoint: ") and message in line, line
+    assert (run_dir / "metrics.jsonl").read_bytes() == rows_before

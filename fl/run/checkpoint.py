@@ -18,6 +18,7 @@ the source directory is only read.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import shutil
@@ -41,6 +42,7 @@ from fl.strategy.registry import available, get_strategy
 __all__ = [
     "CHECKPOINT",
     "CheckpointError",
+    "check_contents",
     "check_resumable",
     "fork_into",
     "history_path",
@@ -316,3 +318,39 @@ def _check_changes(
         "resume with the run's own settings (only rounds, time_budget_s, target_accuracy, "
         "engine and logger may change), or start a new run in another directory"
     )
+
+
+def check_contents(saved: Mapping[str, Any], model: Mapping[str, torch.Tensor]) -> None:
+    """A loaded checkpoint's contents as untrusted input: counters of the right type and
+    range, a round that its metrics rows end at, and a model with the run's tensors, all
+    finite. CheckpointError naming the first field that does not fit."""
+    progress, rows, arrays = saved["progress"], saved["rows"], saved["arrays"]
+    if not isinstance(progress, dict) or not isinstance(rows, list):
+        raise CheckpointError("checkpoint: progress or metrics rows are not a record and a list")
+    server_round = progress.get("round")
+    last = rows[-1].get("round") if rows and isinstance(rows[-1], dict) else 0
+    if not _count(server_round) or server_round != last:
+        raise CheckpointError(
+            f"checkpoint: round {server_round!r} is not the last of its metrics rows ({last!r})"
+        )
+    for key in ("virtual_time_s", "wall_time_s"):
+        value = progress.get(key)
+        if not isinstance(value, float | int) or not 0 <= value < math.inf:
+            raise CheckpointError(f"checkpoint: {key}={value!r} is not a time >= 0")
+    for key in ("cum_bytes_up", "cum_bytes_down", "cum_payload_bytes_up", "cum_payload_bytes_down"):
+        if not _count(progress.get(key)):
+            raise CheckpointError(f"checkpoint: {key}={progress.get(key)!r} is not a count >= 0")
+    if not isinstance(arrays, dict) or list(arrays) != list(model):
+        raise CheckpointError("checkpoint: its model's tensors are not this run's model's")
+    for name, tensor in arrays.items():
+        want = model[name]
+        fits = isinstance(tensor, torch.Tensor) and tensor.shape == want.shape
+        if not fits or tensor.dtype != want.dtype:
+            shape = tuple(want.shape)
+            raise CheckpointError(f"checkpoint: model tensor {name!r} is not {want.dtype} {shape}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"checkpoint: model tensor {name!r} is not finite")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
