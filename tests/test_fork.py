@@ -68,3 +68,24 @@ def test_fork_refuses_a_missing_round_another_strategy_and_the_source_dir(tmp_pa
     assert "fork_from" in fails(tmp_path / "c", *RUN, f"fork_from={source}@0")
     run_fl(tmp_path / "latest", *RUN, "rounds=3", f"fork_from={source}")  # its last round
     assert [r["round"] for r in read_metrics(tmp_path / "latest")] == [1, 2, 3]
+
+
+def test_fork_copies_the_checkpoint_that_loaded_and_a_broken_one_never_answers_a_round(tmp_path):
+    source, fork = tmp_path / "source", tmp_path / "fork"
+    small = ["num_clients=3", "clients_per_round=3", "local_steps=2"]
+    run_fl(source, *small, "rounds=2")  # checkpoint.pt: round 2, checkpoint.prev.pt: round 1
+    previous = (source / "checkpoint.prev.pt").read_bytes()
+    (source / "checkpoint.pt").write_bytes(b"garbage")
+
+    def one_line(run_dir, *overrides):
+        proc = python_run(fl_run_cmd(f"hydra.run.dir={run_dir}", *small, *overrides))
+        assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+        return proc.stderr.strip().splitlines()[-1]
+
+    line = one_line(tmp_path / "at2", "rounds=3", f"fork_from={source}@2")
+    assert "has no checkpoint of round 2" in line  # the garbage newest file holds no round
+    assert not (tmp_path / "at2" / ".hydra").exists()
+    run_fl(fork, *small, "rounds=2", f"fork_from={source}")  # falls back to round 1's file
+    assert [r["round"] for r in read_metrics(fork)] == [1, 2]  # round 1 from the source
+    assert previous != (fork / "checkpoint.pt").read_bytes()  # the fork wrote its own since
+    assert not (fork / "checkpoint.pt").read_bytes().startswith(b"garbage")
