@@ -1,5 +1,10 @@
 """The privacy-budget ledger: blocks, pipelines, leases, grants and (ε, δ) charges in SQLite (WAL).
 
+Why one module: every write below is one transaction over the same connection,
+opened by `transaction()` with its lease reclaim, so the writes, the lease machinery and
+the reads they make inside that transaction stay one class (the schema and the invariant
+check, which need no transaction, are in `privacy.ledger_schema`).
+
 Every change is one `BEGIN IMMEDIATE` transaction, so concurrent submitters in several
 processes are serialised by SQLite's write lock, and a process killed mid-transaction
 leaves nothing behind (WAL recovery drops uncommitted frames). The budget invariants are
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 import sqlite3
 import time
@@ -31,6 +35,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from privacy.dpbalance import Block, Grant, Pipeline, Problem, Scheduler
+from privacy.ledger_schema import DSLACK, ROOM, SCHEMA, SLACK, VERSION, check_invariants
 
 __all__ = [
     "BudgetExceeded",
@@ -42,84 +47,9 @@ __all__ = [
     "new_holder",
 ]
 
-SLACK = 1e-9  # float tolerance of the ε CHECKs (allocations are computed in float64)
-DSLACK = 1e-18  # absolute float tolerance of the δ CHECKs (δ are ~1e-5, their sums round at ~1e-21)
-ROOM = 1 + 1e-9  # relative float tolerance of the δ CHECKs
-VERSION = 2  # PRAGMA user_version of the schema below (0: a ledger from before leases and δ)
 LIVE = ("waiting", "granted")
 # what a pipeline may become, and from which status
 ENDS = {"finished": "granted", "stopped": "granted", "released": "granted", "cancelled": "waiting"}
-
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS blocks (
-    id TEXT PRIMARY KEY,
-    budget REAL NOT NULL CHECK (budget >= 0),
-    allocated REAL NOT NULL DEFAULT 0,
-    delta_budget REAL NOT NULL CHECK (delta_budget >= 0 AND delta_budget <= 1),
-    delta_allocated REAL NOT NULL DEFAULT 0,
-    arrivals INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL,
-    CHECK (allocated >= -{SLACK} AND allocated <= budget + {SLACK}),
-    CHECK (delta_allocated >= -{DSLACK} AND delta_allocated <= delta_budget * {ROOM} + {DSLACK})
-);
-CREATE TABLE IF NOT EXISTS pipelines (
-    id TEXT PRIMARY KEY,
-    analyst TEXT NOT NULL,
-    status TEXT NOT NULL CHECK (status IN
-        ('waiting', 'granted', 'finished', 'stopped', 'released', 'cancelled', 'expired')),
-    arrival REAL NOT NULL,
-    loss REAL NOT NULL DEFAULT 1.0,
-    kappa REAL,
-    holder TEXT,
-    lease_until REAL,
-    note TEXT
-);
-CREATE TABLE IF NOT EXISTS demands (
-    pipeline TEXT NOT NULL REFERENCES pipelines(id),
-    block TEXT NOT NULL REFERENCES blocks(id),
-    epsilon REAL NOT NULL CHECK (epsilon > 0),
-    delta REAL NOT NULL DEFAULT 0 CHECK (delta >= 0 AND delta <= 1),
-    PRIMARY KEY (pipeline, block)
-);
-CREATE TABLE IF NOT EXISTS allocations (
-    pipeline TEXT NOT NULL REFERENCES pipelines(id),
-    block TEXT NOT NULL REFERENCES blocks(id),
-    epsilon REAL NOT NULL CHECK (epsilon >= 0),
-    spent REAL NOT NULL DEFAULT 0,
-    delta REAL NOT NULL DEFAULT 0 CHECK (delta >= 0),
-    delta_spent REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (pipeline, block),
-    CHECK (spent >= 0 AND spent <= epsilon + {SLACK}),
-    CHECK (delta_spent >= 0 AND delta_spent <= delta * {ROOM} + {DSLACK})
-);
-CREATE TABLE IF NOT EXISTS charges (
-    pipeline TEXT NOT NULL,
-    block TEXT NOT NULL,
-    round INTEGER NOT NULL,
-    epsilon REAL NOT NULL CHECK (epsilon >= 0),
-    delta REAL NOT NULL DEFAULT 0 CHECK (delta >= 0),
-    PRIMARY KEY (pipeline, block, round),
-    FOREIGN KEY (pipeline, block) REFERENCES allocations(pipeline, block)
-);
-CREATE TRIGGER IF NOT EXISTS allocation_takes_budget AFTER INSERT ON allocations
-BEGIN
-    UPDATE blocks SET allocated = allocated + NEW.epsilon,
-        delta_allocated = delta_allocated + NEW.delta WHERE id = NEW.block;
-END;
-CREATE TRIGGER IF NOT EXISTS allocation_returns_budget
-AFTER UPDATE OF epsilon, delta ON allocations
-BEGIN
-    UPDATE blocks SET allocated = allocated - OLD.epsilon + NEW.epsilon,
-        delta_allocated = delta_allocated - OLD.delta + NEW.delta WHERE id = NEW.block;
-END;
-CREATE TRIGGER IF NOT EXISTS charge_spends_grant AFTER INSERT ON charges
-BEGIN
-    UPDATE allocations SET spent = spent + NEW.epsilon, delta_spent = delta_spent + NEW.delta
-    WHERE pipeline = NEW.pipeline AND block = NEW.block;
-END;
-PRAGMA user_version = {VERSION};
-"""
-OBJECTS = set(re.findall(r"CREATE (?:TABLE|TRIGGER) IF NOT EXISTS (\w+)", SCHEMA))
 
 
 class LedgerError(RuntimeError):
@@ -681,61 +611,4 @@ class Ledger:
 
     def check(self) -> list[str]:
         """Every violated invariant, in words; empty when the ledger is consistent."""
-        problems = []
-        names = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
-        problems += [f"schema: {name} is missing" for name in sorted(OBJECTS - names)]
-        for block, budget, allocated, total, d_budget, d_allocated, d_total in self.db.execute(
-            "SELECT b.id, b.budget, b.allocated, COALESCE(SUM(a.epsilon), 0), b.delta_budget, "
-            "b.delta_allocated, COALESCE(SUM(a.delta), 0) FROM blocks b "
-            "LEFT JOIN allocations a ON a.block = b.id GROUP BY b.id"
-        ):
-            if abs(allocated - total) > SLACK:
-                problems.append(f"block {block}: allocated {allocated} != sum of grants {total}")
-            if total > budget + SLACK:
-                problems.append(f"block {block}: grants {total} exceed budget {budget}")
-            if abs(d_allocated - d_total) > DSLACK:
-                problems.append(
-                    f"block {block}: δ allocated {d_allocated} != sum of δ grants {d_total}"
-                )
-            if d_total > d_budget * ROOM + DSLACK:
-                problems.append(f"block {block}: δ grants {d_total} exceed δ budget {d_budget}")
-        for pipeline, block, epsilon, spent, total, delta, d_spent, d_total in self.db.execute(
-            "SELECT a.pipeline, a.block, a.epsilon, a.spent, COALESCE(SUM(c.epsilon), 0), "
-            "a.delta, a.delta_spent, COALESCE(SUM(c.delta), 0) FROM allocations a "
-            "LEFT JOIN charges c ON c.pipeline = a.pipeline AND c.block = a.block "
-            "GROUP BY a.pipeline, a.block"
-        ):
-            if abs(spent - total) > SLACK:
-                problems.append(f"{pipeline}@{block}: spent {spent} != sum of charges {total}")
-            if total > epsilon + SLACK:
-                problems.append(f"{pipeline}@{block}: charges {total} exceed grant {epsilon}")
-            if abs(d_spent - d_total) > DSLACK:
-                problems.append(
-                    f"{pipeline}@{block}: δ spent {d_spent} != sum of δ charges {d_total}"
-                )
-            if d_total > delta * ROOM + DSLACK:
-                problems.append(f"{pipeline}@{block}: δ charges {d_total} exceed δ grant {delta}")
-        for pipeline, status, block, epsilon, delta, want, want_delta in self.db.execute(
-            "SELECT p.id, p.status, a.block, a.epsilon, a.delta, "
-            "CASE WHEN p.status = 'granted' THEN p.kappa * d.epsilon ELSE a.spent END, "
-            "CASE WHEN p.status = 'granted' THEN d.delta ELSE a.delta_spent END "
-            "FROM allocations a JOIN pipelines p ON p.id = a.pipeline "
-            "LEFT JOIN demands d ON d.pipeline = a.pipeline AND d.block = a.block "
-            "WHERE p.status != 'waiting'"
-        ):  # a live grant is κ·demand (δ: the demand); an ended one shrank to its spend
-            what = "κ·demand" if status == "granted" else "its spend"
-            if want is None or abs(epsilon - want) > SLACK:
-                problems.append(f"{pipeline}@{block}: {status}, grant {epsilon} != {what} {want}")
-            if want_delta is None or abs(delta - want_delta) > DSLACK:
-                problems.append(
-                    f"{pipeline}@{block}: {status}, δ grant {delta} != {what} {want_delta}"
-                )
-        for (pipeline,) in self.db.execute(
-            "SELECT p.id FROM pipelines p WHERE p.status = 'waiting' "
-            "AND EXISTS (SELECT 1 FROM allocations a WHERE a.pipeline = p.id)"
-        ):
-            problems.append(f"{pipeline}: waiting but holds allocations")
-        (integrity,) = self.db.execute("PRAGMA integrity_check").fetchone()
-        if integrity != "ok":
-            problems.append(f"integrity_check: {integrity}")
-        return problems
+        return check_invariants(self.db)
