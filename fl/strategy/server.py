@@ -32,9 +32,17 @@ from flwr.serverapp.strategy import FedAvg
 
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
-from fl.strategy.updates import ClientUpdate, ReplyInfo, RoundStats, UploadParts
+from fl.strategy.surface import ALGORITHM_HOOKS, KERNEL_METHODS, refuse_kernel_overrides
+from fl.strategy.updates import (
+    ClientUpdate,
+    ReplyInfo,
+    RoundStats,
+    UploadParts,
+    finite_metric,
+    reply_limit,
+)
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
-from fl.wire.records import Layout, new_record, record_of, vector_to_arrays, wire_dtype
+from fl.wire.records import Layout, new_record, record_of, vector_to_arrays
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
 
@@ -49,56 +57,7 @@ __all__ = [
     "reply_limit",
 ]
 
-# What an algorithm overrides: who trains, what each is sent, how a reply is read and
-# checked, how replies become the new model, what is logged and saved, and, for the
-# strategies whose gains are in time, how replies land on the clock.
-ALGORITHM_HOOKS = (
-    "select",
-    "train_config",
-    "train_payload",
-    "sync_specs",
-    "synced",
-    "decode_reply",
-    "check_update",
-    "rebase",
-    "aggregate",
-    "on_round_start",
-    "on_round_end",
-    "another_exchange",
-    "arrivals_to_close",
-    "group_schedule",
-    "upload_parts",
-    "reply_parts",
-    "diagnostics",
-    "state_dict",
-    "load_state_dict",
-)
-# Kernel plumbing: the round loop's and the wrappers' calls; final, never overridden.
-KERNEL_METHODS = (
-    "attach",
-    "plan",
-    "expect",
-    "base_of",
-    "bound_examples",
-    "configure_train",
-    "payload_limit",
-    "check_reply",
-    "accept",
-    "give_up",
-    "aggregate_train",
-)
-# the hook to write instead of each kernel method a subclass might reach for
-_INSTEAD = {
-    "configure_train": "select, train_config, train_payload or on_round_start",
-    "check_reply": "check_update",
-    "accept": "check_update",
-    "aggregate_train": "aggregate",
-}
-
 log = logging.getLogger(__name__)
-# Default reply size bound: any of our codecs (dense, masked + bitmap, values + indices,
-# control state) stays within 4x the dense model; 1 MiB covers headers and metrics.
-PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
 
 
 class ServerStrategy(FedAvg):
@@ -119,13 +78,7 @@ class ServerStrategy(FedAvg):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines kernel plumbing, naming the hook to use."""
         super().__init_subclass__(**kwargs)
-        for name in KERNEL_METHODS:
-            if name in vars(cls):
-                hook = _INSTEAD.get(name, f"one of {', '.join(ALGORITHM_HOOKS)}")
-                raise TypeError(
-                    f"{cls.__qualname__} overrides {name}, which is kernel plumbing "
-                    f"(fl.strategy.server.KERNEL_METHODS); override {hook} instead"
-                )
+        refuse_kernel_overrides(cls)
 
     def __init__(
         self,
@@ -320,7 +273,7 @@ class ServerStrategy(FedAvg):
             raise ValueError("reply has no 'metrics' record")
         metrics = dict(record)
         # a controller reading metrics (ASFL's reward, LB-BSP's speeds) never sees a NaN
-        unfit = next((k for k, v in metrics.items() if not _finite_metric(v)), None)
+        unfit = next((k for k, v in metrics.items() if not finite_metric(v)), None)
         if unfit is not None:
             raise ValueError(f"metric {unfit!r} is not finite: {metrics[unfit]!r}")
         num_examples = metrics.get(self.weighted_by_key)
@@ -540,16 +493,3 @@ class ServerStrategy(FedAvg):
             setattr(self, name, state[name])
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
-
-
-def _finite_metric(value: Any) -> bool:
-    """A MetricRecord value (a number or a list of numbers) with no NaN or Inf in it."""
-    values = value if isinstance(value, list) else [value]
-    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
-
-
-def reply_limit(layout: Layout) -> int:
-    """The default bound on a reply's bytes: PAYLOAD_FACTOR dense models and PAYLOAD_SLACK."""
-    sizes, dtypes = layout.sizes, layout.dtypes
-    dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
-    return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK

@@ -2,17 +2,30 @@
 
 The round loop fills `ReplyInfo` (when a reply was asked for and arrived); the strategy's
 checks turn a reply into a `ClientUpdate`; `RoundStats` counts what happened to a round's
-replies. Strategies read all three; only the kernel writes them.
+replies. Strategies read all three; only the kernel writes them. A reply's bounds live
+here too: its size (`reply_limit`) and its metrics (`finite_metric`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["ClientUpdate", "ReplyInfo", "RoundStats", "UploadParts"]
+from fl.wire.records import Layout, wire_dtype
+
+__all__ = [
+    "PAYLOAD_FACTOR",
+    "PAYLOAD_SLACK",
+    "ClientUpdate",
+    "ReplyInfo",
+    "RoundStats",
+    "UploadParts",
+    "finite_metric",
+    "reply_limit",
+]
 
 # (fraction of the local samples done before a part of the reply may leave, its bytes)
 UploadParts = tuple[tuple[float, int], ...]
@@ -60,3 +73,21 @@ class RoundStats:
     examples_clipped: int = 0  # accepted replies whose num-examples claim was cut to the bound
     norm_clipped: int = 0  # accepted replies scaled down to max_update_norm (policy clip)
     skipped: bool = False  # too few replies for the aggregation rule: global model kept
+
+
+# Default reply size bound: any of our codecs (dense, masked + bitmap, values + indices,
+# control state) stays within 4x the dense model; 1 MiB covers headers and metrics.
+PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
+
+
+def finite_metric(value: Any) -> bool:
+    """A MetricRecord value (a number or a list of numbers) with no NaN or Inf in it."""
+    values = value if isinstance(value, list) else [value]
+    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
+
+
+def reply_limit(layout: Layout) -> int:
+    """The default bound on a reply's bytes: PAYLOAD_FACTOR dense models and PAYLOAD_SLACK."""
+    sizes, dtypes = layout.sizes, layout.dtypes
+    dense = sum(n * wire_dtype(d).itemsize for n, d in zip(sizes, dtypes, strict=True))
+    return PAYLOAD_FACTOR * dense + PAYLOAD_SLACK
