@@ -316,10 +316,17 @@ class DPBalance:
             share = np.minimum(agg[i] * x[i], pool)
             kappa = _serve_within(gamma[r], mu_j[r] * t_j[r] * l_j[r], share, self.kappa_max)
             for j, k in zip(r, kappa, strict=True):
-                if k > 0:
+                k = min(k, _room(gamma[j], pool))  # HiGHS meets constraints within its own
+                if k >= 1.0:  # tolerance; the pool is met exactly, and all or nothing
                     grants.append(_grant(waiting[j], float(k)))
                     pool -= gamma[j] * k
         return grants
+
+
+def _room(need: np.ndarray, pool: np.ndarray) -> float:
+    """The largest κ with κ·need within `pool` on every block it needs (less TOL)."""
+    where = need > 0
+    return float(np.min(np.maximum(pool[where], 0.0) * (1 - TOL) / need[where]))
 
 
 def _grant_in_order(pipelines: Sequence[Pipeline], free: dict[str, float]) -> list[Grant]:

@@ -201,3 +201,21 @@ def test_sharing_incentive_fails_for_beta_below_one_and_for_infinite_lambda():
         x = analyst_shares(demand, demand.max(axis=1), capacity, beta=beta, lam=lam)
         equal_split = [_units(demand[i], capacity / 3) for i in range(3)]
         assert any(x[i] < equal_split[i] * 0.99 for i in range(3)), (beta, lam)
+
+
+def test_dpbalance_never_grants_past_a_block_when_its_solver_overshoots(monkeypatch):
+    """HiGHS meets a constraint within its feasibility tolerance; the grants must fit exactly."""
+    import privacy.dpbalance as dpb
+
+    solve = dpb._serve_within
+
+    def overshooting(*args, **kwargs):
+        kappa = solve(*args, **kwargs)
+        return np.where(kappa > 0, kappa * (1 + 1e-6), 0.0)  # just past the share
+
+    monkeypatch.setattr(dpb, "_serve_within", overshooting)
+    blocks = {"b0": Block("b0", 1.0, 0.3, 5)}
+    pipelines = [Pipeline(f"a{a}p0", f"a{a}", {"b0": 0.1}, arrival=-5.0) for a in range(3)]
+    grants = DPBalance(beta=2.2).allocate(Problem(blocks, pipelines))
+    assert grants
+    assert sum(g.epsilon["b0"] for g in grants) <= 0.3
