@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import sqlite3
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from fl.common.errors import RunError
+from fl.common.files import require_regular
 
 __all__ = ["main", "markdown_table", "plot"]
 
@@ -103,12 +108,13 @@ def _simulate(args: argparse.Namespace) -> int:
         budget=(args.budget[0], args.budget[1]),
         seed=args.seed,
     )
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)  # before the study: a bad --out fails at once
     result = compare(workload, tuple(args.betas), dpf_n=args.dpf_n, kappa_max=args.kappa_max)
     table = markdown_table(result)
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         name = args.name
         (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / f"{name}.md").write_text(table)
@@ -117,36 +123,51 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(text: object) -> str:
+    """A ledger's text as printable characters only: its notes and ids are untrusted."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def _ledger(args: argparse.Namespace) -> int:
+    """Print a ledger and check it, writing nothing (a lapsed lease is shown, not reclaimed)."""
     from privacy.ledger import Ledger
 
-    with Ledger(args.path, create=False) as ledger:
-        for pipeline in ledger.reclaim():
-            print(f"reclaimed {pipeline}: its lease had lapsed")
-        now = time.time()
-        rows = ledger.db.execute("SELECT id FROM pipelines ORDER BY arrival, rowid").fetchall()
-        for (pid,) in rows:
-            r = ledger.pipeline(pid)
-            assert r is not None
-            line = f"{pid:<24} {r.analyst:<12} {r.status:<9} κ={r.kappa or 0:.3f} "
-            line += (
-                f"granted Σε={sum(r.granted.values()):.4g} spent Σε={sum(r.spent.values()):.4g} "
-            )
-            line += f"δ={max(r.delta_granted.values(), default=0):.3g}"
-            if r.lease_until is not None:
-                line += f"  lease {r.lease_until - now:.0f} s left ({r.holder})"
-            print(line + (f"  ({r.note})" if r.note else ""))
-        blocks = ledger.blocks()
-        total = sum(b for b, _ in blocks.values())
-        used = sum(a for _, a in blocks.values())
-        delta = max((a for _, a in ledger.delta_blocks().values()), default=0.0)
-        print(
-            f"{len(blocks)} blocks, budget Σε={total:.4g}, allocated Σε={used:.4g}, "
-            f"largest δ allocated {delta:.3g}"
-        )
+    with Ledger(args.path, readonly=True) as ledger:
         problems = ledger.check()
-    print("consistent" if not problems else "INCONSISTENT:\n  " + "\n  ".join(problems))
+        try:
+            _list(ledger)
+        except (TypeError, ValueError) as err:  # a damaged value: the check says which
+            print(f"(listing stopped at a value that is not a number: {_shown(err)})")
+    print(
+        "consistent" if not problems else "INCONSISTENT:\n  " + "\n  ".join(map(_shown, problems))
+    )
     return 1 if problems else 0
+
+
+def _list(ledger: Any) -> None:
+    """Each pipeline's state, grant, spend and lease, then the blocks' totals."""
+    now = time.time()
+    rows = ledger.db.execute("SELECT id FROM pipelines ORDER BY arrival, rowid").fetchall()
+    for (pid,) in rows:
+        r = ledger.pipeline(pid)
+        assert r is not None
+        line = f"{_shown(pid):<24} {_shown(r.analyst):<12} {_shown(r.status):<9} "
+        line += f"κ={r.kappa or 0:.3f} granted Σε={sum(r.granted.values()):.4g} "
+        line += f"spent Σε={sum(r.spent.values()):.4g} "
+        line += f"δ={max(r.delta_granted.values(), default=0):.3g}"
+        if r.lease_until is not None:
+            left = r.lease_until - now
+            lease = f"{left:.0f} s left" if left >= 0 else f"lapsed {-left:.0f} s ago"
+            line += f"  lease {lease} ({_shown(r.holder)})"
+        print(line + (f"  ({_shown(r.note)})" if r.note else ""))
+    blocks = ledger.blocks()
+    total = sum(b for b, _ in blocks.values())
+    used = sum(a for _, a in blocks.values())
+    delta = max((a for _, a in ledger.delta_blocks().values()), default=0.0)
+    print(
+        f"{len(blocks)} blocks, budget Σε={total:.4g}, allocated Σε={used:.4g}, "
+        f"largest δ allocated {delta:.3g}"
+    )
 
 
 def _end(args: argparse.Namespace) -> int:
@@ -165,22 +186,59 @@ def _end(args: argparse.Namespace) -> int:
     return 0
 
 
+def _integer(low: int) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is not an integer >= {low}")
+        return value
+
+    return parse
+
+
+_positive = _integer(1)
+
+
+def _finite(low: float, strict: bool) -> Any:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not a finite number {'>' if strict else '>='} {low}"
+            )
+        return value
+
+    return parse
+
+
+def _stem(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", text) or ".." in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a plain file name stem")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(prog="python -m privacy.cli", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="DPBalance vs DPF, DPK, FCFS on the paper's workload")
     sim.add_argument("--out", help="folder for NAME.{json,md,png}")
-    sim.add_argument("--name", default="dpbalance_sim", help="file name stem of the outputs")
-    sim.add_argument("--devices", type=int, default=100)
-    sim.add_argument("--rounds", type=int, default=10)
-    sim.add_argument("--analysts", type=int, default=6)
-    sim.add_argument("--pipelines", type=int, default=25, help="pipelines per analyst")
-    sim.add_argument("--betas", type=float, nargs="+", default=[0.5, 2.2, 5.0])
-    sim.add_argument("--budget", type=float, nargs=2, default=[1.0, 1.5], help="device ε ~ U(a, b)")
-    sim.add_argument("--dpf-n", type=int, default=100, help="DPF-N: arrivals to unlock a block")
-    sim.add_argument("--kappa-max", type=float, default=None, help="cap DPBalance's κ")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--name", type=_stem, default="dpbalance_sim", help="file name stem of the outputs"
+    )
+    sim.add_argument("--devices", type=_positive, default=100)
+    sim.add_argument("--rounds", type=_positive, default=10)
+    sim.add_argument("--analysts", type=_positive, default=6)
+    sim.add_argument("--pipelines", type=_positive, default=25, help="pipelines per analyst")
+    sim.add_argument("--betas", type=_finite(0, True), nargs="+", default=[0.5, 2.2, 5.0])
+    sim.add_argument(
+        "--budget", type=_finite(0, True), nargs=2, default=[1.0, 1.5], help="device ε ~ U(a, b)"
+    )
+    sim.add_argument(
+        "--dpf-n", type=_positive, default=100, help="DPF-N: arrivals to unlock a block"
+    )
+    sim.add_argument("--kappa-max", type=_finite(1, False), default=None, help="cap DPBalance's κ")
+    sim.add_argument("--seed", type=_integer(0), default=0)
     sim.set_defaults(func=_simulate)
     led = sub.add_parser("ledger", help="pipelines, grants and an invariant check of a ledger")
     led.add_argument("path")
@@ -192,13 +250,26 @@ def main(argv: list[str] | None = None) -> int:
         end.add_argument("--note", help="why (kept in the ledger)")
         end.set_defaults(func=_end)
     args = parser.parse_args(argv)
+    if args.command == "simulate" and args.budget[0] > args.budget[1]:
+        parser.error(
+            f"--budget {args.budget[0]:g} {args.budget[1]:g}: the first must be <= the second"
+        )
     from privacy.ledger import LedgerError
 
     try:
+        if args.command != "simulate":
+            require_regular(args.path)  # a FIFO or a device is refused, not waited on
         return int(args.func(args))
-    except LedgerError as err:
-        print(f"privacy.cli: error: {err}", file=sys.stderr)
-        return 1
+    except (LedgerError, RunError) as err:
+        print(f"privacy.cli: error: {_shown(err)}", file=sys.stderr)
+    except sqlite3.Error as err:
+        print(
+            f"privacy.cli: error: {_shown(args.path)} is not a readable ledger: {err}",
+            file=sys.stderr,
+        )
+    except OSError as err:
+        print(f"privacy.cli: error: {_shown(err)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -98,14 +98,25 @@ class Ledger:
     """One connection to a ledger file; open one per process (or per thread).
 
     `create=False` opens an existing ledger only: a missing file is refused, not created.
+    `readonly=True` (inspection) opens it without writing anything, not even a reclaim.
     """
 
-    def __init__(self, path: str | Path, *, timeout_s: float = 60.0, create: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        timeout_s: float = 60.0,
+        create: bool = True,
+        readonly: bool = False,
+    ) -> None:
         self.path = Path(path)
+        self.readonly = readonly
         self.reclaimed: list[str] = []  # pipelines the last write transaction's reclaim ended
+        create = create and not readonly
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        uri = f"file:{quote(str(self.path.absolute()))}?mode={'rwc' if create else 'rw'}"
+        mode = "ro" if readonly else "rwc" if create else "rw"
+        uri = f"file:{quote(str(self.path.absolute()))}?mode={mode}"
         try:
             self.db = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
         except sqlite3.OperationalError as err:
@@ -128,6 +139,8 @@ class Ledger:
             )
         if tables == 0 and not create:
             raise LedgerError(f"{self.path} is not a ledger (no tables)")
+        if self.readonly:
+            return
         while True:  # switching a new file to WAL fails at once, without the busy handler,
             try:  # while another first opener holds the write lock: retry until the deadline
                 self.db.execute("PRAGMA journal_mode = WAL")

@@ -12,7 +12,17 @@ from __future__ import annotations
 import re
 import sqlite3
 
-__all__ = ["DSLACK", "OBJECTS", "ROOM", "SCHEMA", "SLACK", "VERSION", "check_invariants"]
+__all__ = [
+    "DSLACK",
+    "NUMBERS",
+    "OBJECTS",
+    "REFERENCES",
+    "ROOM",
+    "SCHEMA",
+    "SLACK",
+    "VERSION",
+    "check_invariants",
+]
 
 SLACK = 1e-9  # float tolerance of the ε CHECKs (allocations are computed in float64)
 DSLACK = 1e-18  # absolute float tolerance of the δ CHECKs (δ are ~1e-5, their sums round at ~1e-21)
@@ -91,11 +101,49 @@ PRAGMA user_version = {VERSION};
 OBJECTS = set(re.findall(r"CREATE (?:TABLE|TRIGGER) IF NOT EXISTS (\w+)", SCHEMA))
 
 
+# every number column: a value of another SQLite type (text 'nan', a blob) is damage
+NUMBERS = {
+    "blocks": ("budget", "allocated", "delta_budget", "delta_allocated"),
+    "pipelines": ("arrival", "loss"),
+    "demands": ("epsilon", "delta"),
+    "allocations": ("epsilon", "spent", "delta", "delta_spent"),
+    "charges": ("epsilon", "delta"),
+}
+# rows that must name an existing pipeline or block (foreign keys hold only while enforced)
+REFERENCES = (
+    ("demands", "pipeline", "pipelines"),
+    ("demands", "block", "blocks"),
+    ("allocations", "pipeline", "pipelines"),
+    ("allocations", "block", "blocks"),
+)
+
+
 def check_invariants(db: sqlite3.Connection) -> list[str]:
-    """Every invariant the ledger open on `db` violates, in words; empty when it is consistent."""
+    """Every invariant the ledger open on `db` violates, in words; empty when it is consistent.
+
+    Types and references first: the sums below are only meaningful over numbers."""
     problems = []
     names = {n for (n,) in db.execute("SELECT name FROM sqlite_master")}
     problems += [f"schema: {name} is missing" for name in sorted(OBJECTS - names)]
+    if problems:
+        return problems
+    for table, columns in NUMBERS.items():
+        for column in columns:
+            (bad,) = db.execute(
+                f"SELECT COUNT(*) FROM {table} WHERE typeof({column}) NOT IN ('real', 'integer')"
+                f" OR {column} != {column} OR abs({column}) > 1e308"  # NaN, and ±inf
+            ).fetchone()
+            if bad:
+                problems.append(f"{table}.{column}: {bad} value(s) that are not finite numbers")
+    for table, column, target in REFERENCES:
+        (orphans,) = db.execute(
+            f"SELECT COUNT(*) FROM {table} t LEFT JOIN {target} x ON x.id = t.{column} "
+            "WHERE x.id IS NULL"
+        ).fetchone()
+        if orphans:
+            problems.append(f"{table}: {orphans} row(s) naming a {column} that does not exist")
+    if problems:
+        return problems
     for block, budget, allocated, total, d_budget, d_allocated, d_total in db.execute(
         "SELECT b.id, b.budget, b.allocated, COALESCE(SUM(a.epsilon), 0), b.delta_budget, "
         "b.delta_allocated, COALESCE(SUM(a.delta), 0) FROM blocks b "
