@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import time
 import uuid
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from fl.common.files import require_regular
 from fl.strategy.server import ClientUpdate
 from fl.world.task import Task
 from privacy.dpsgd import BUDGET_KEY, DPSGD
@@ -65,10 +67,17 @@ class RoundPrivacy:
         return f"{self.ledger_cfg.block_prefix}/client-{partition}"
 
     def _open(self) -> Any:
-        from privacy.ledger import Ledger
+        from privacy.ledger import Ledger, LedgerError
 
         assert self.ledger_cfg is not None
-        return Ledger(Path(str(self.ledger_cfg.path)))
+        path = Path(str(self.ledger_cfg.path))
+        try:
+            require_regular(path)  # a FIFO or a directory there is refused, not opened
+            return Ledger(path)
+        except (OSError, sqlite3.Error) as err:  # a folder it cannot make, a file not a ledger
+            raise LedgerError(
+                f"privacy.ledger.path={path}: cannot open a ledger there: {err}"
+            ) from None
 
     def start(self) -> str | None:
         """Before round 1: claim this pipeline and get (or find) its grant; a reason to stop."""

@@ -233,3 +233,11 @@ def test_synthetic_too_large_for_memory_is_refused_before_it_is_generated(monkey
     message = str(info.value)
     assert "generates all 1,000,000 devices in memory, about 45 GB" in message
     assert "more than this machine's 24 GB; use partition=natural" in message
+
+
+def test_a_ledger_path_that_cannot_hold_a_ledger_is_one_line(tmp_path):
+    overrides = ["privacy=dpsgd", "privacy.ledger.path=/proc/nope/x", "rounds=1"]
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={tmp_path}", *overrides), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "privacy.ledger.path=/proc/nope/x: cannot open a ledger there" in last
