@@ -27,6 +27,7 @@ from fl.mechanisms.robust import example_bounds, robust_options
 from fl.run.arrivals import RealArrivals
 from fl.run.checkpoint import (
     CHECKPOINT,
+    PREVIOUS,
     CheckpointError,
     check_contents,
     check_resumable,
@@ -37,7 +38,7 @@ from fl.run.checkpoint import (
 )
 from fl.run.console import RoundReporter
 from fl.run.loops import Landed, LoopSettings, RoundDriver, loop_settings
-from fl.run.tracking import RunLog, clear_run, refuse_existing_run
+from fl.run.tracking import RunLog, clear_run, holds_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.codec import CODEC, Traffic, payload_traffic
@@ -131,7 +132,14 @@ def _restore(
 def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run (or resume) `cfg.rounds` rounds on `grid`; write outputs to `out_dir`."""
     checkpoint_path = out_dir / CHECKPOINT
-    saved = load_checkpoint(checkpoint_path) if cfg.resume else None
+    resume = bool(cfg.resume)
+    checkpoints = (checkpoint_path, out_dir / PREVIOUS)
+    if resume and holds_run(out_dir) and not any(p.exists() for p in checkpoints):
+        # killed after its first outputs, before its first checkpoint: nothing to continue
+        log.warning("%s has no checkpoint yet: the run starts again at round 1", out_dir)
+        clear_run(out_dir)
+        resume = False
+    saved = load_checkpoint(checkpoint_path) if resume else None
     if saved is not None:  # before anything is built or written
         check_resumable(saved["config"], plain(cfg))
     else:

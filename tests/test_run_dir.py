@@ -301,3 +301,19 @@ def test_a_checkpoint_whose_contents_do_not_fit_is_refused_in_one_line(runs, tmp
     line = _one_line_error(_fl(run_dir, *RUN, "rounds=5", "resume=true"))
     assert line.startswith("fl-run: checkpoint: ") and message in line, line
     assert (run_dir / "metrics.jsonl").read_bytes() == rows_before
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume(runs, tmp_path):
+    run_dir = _copy(runs, tmp_path)
+    for name in ("checkpoint.pt", "checkpoint.prev.pt", "summary.json", "model.pt"):
+        (run_dir / name).unlink(missing_ok=True)
+    (run_dir / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    proc = _fl(run_dir, *RUN, "rounds=5", "resume=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no checkpoint yet: the run starts again at round 1" in proc.stdout + proc.stderr
+    _assert_matches_five(run_dir, runs)
+
+
+def test_resume_of_a_folder_without_any_run_still_says_there_is_nothing(tmp_path):
+    message = _one_line_error(_fl(tmp_path / "empty", "resume=true"))
+    assert "no checkpoint at" in message
