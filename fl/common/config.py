@@ -1,17 +1,17 @@
-"""The run configuration: composed by Hydra, validated before round 1, shipped to apps.
+"""The run configuration: composed by Hydra, shipped to apps, and the rules checks use.
 
 Every process of a run (the ServerApp, each ClientApp, on any engine) reads the same
 resolved configuration from Flower's `run_config`: either the whole config as JSON
 under `fl-config` (what `fl-run` sends), or Hydra overrides under `overrides`
 (what `flwr run -c "overrides='strategy=fedprox rounds=5'"` sends), composed here
-from the `conf/` tree.
+from the `conf/` tree. Each config group is checked by a function beside its subsystem,
+written in the rules below (`require`, `check_int`, ...); `fl.run.validation` runs them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import types
 from collections.abc import Mapping
 from functools import lru_cache
@@ -40,21 +40,6 @@ __all__ = [
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RUN_CONFIG_KEY = "fl-config"
-
-DATASETS = ("digits", "shapes", "synthetic", "mnist", "cifar10")
-MODELS = ("logreg", "mlp", "cnn", "lenet5", "resnet18")
-SCHEMES = ("iid", "dirichlet", "shards", "natural")
-ENGINES = ("local", "flower-sim", "deployment")
-LOGGERS = ("jsonl", "wandb")
-DEVICES = ("auto", "cpu", "cuda")
-PRIVACY = ("none", "dpsgd", "central")
-TRANSPORTS = ("inline", "grpc", "rdma")  # conf/transport/NAME.yaml (fl/transport)
-MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
-FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
-OUTPUT_DIR_RULE = (
-    "fl-run sets it to the Hydra run directory, so use hydra.run.dir=DIR instead "
-    "(only engine=deployment takes an output_dir: an absolute path on the SuperLink's machine)"
-)
 
 
 class ConfigError(ValueError):
