@@ -191,3 +191,14 @@ def test_a_spilled_state_that_does_not_decode_is_one_clear_error(tmp_path):
     with pytest.raises(NodeStateError, match="the saved state of node 7 does not decode"):
         states.get_state(7)
     states.close()
+
+
+def test_a_spill_file_that_lost_its_table_is_one_clear_error(tmp_path):
+    states = NodeStates(tmp_path, memory_bytes=0)
+    states.put(7, RecordDict({"meta": ConfigRecord({"version": 3})}))
+    states._db.execute("DROP TABLE states")
+    with pytest.raises(NodeStateError, match="the spilled node states cannot be used"):
+        states.get_state(7)
+    with pytest.raises(NodeStateError):
+        states.put(8, RecordDict({"meta": ConfigRecord({"version": 1})}))
+    states.close()

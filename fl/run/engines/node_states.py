@@ -5,7 +5,8 @@ sampled in, as Flower's own protobuf bytes; nodes whose state is empty cost noth
 Past a memory budget every state moves to a SQLite file, so a long run over millions of
 stateful clients is bounded by disk, not RAM. The file is unlinked as soon as it is open:
 it has no name while the run uses it, so a killed run leaves nothing behind and no other
-process opens it by its path; a row that does not decode is a `NodeStateError`.
+process opens it by its path; a row that does not decode, or a statement the file cannot
+answer, is a `NodeStateError`.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ class NodeStates(Mapping[int, RecordDict]):
             self._held -= len(old) if old is not None else 0
             if self._db is not None:
                 if data is None:
-                    self._db.execute("DELETE FROM states WHERE node = ?", (node,))
+                    self._sql("DELETE FROM states WHERE node = ?", (node,))
                 else:
-                    self._db.execute("REPLACE INTO states VALUES (?, ?)", (node, data))
+                    self._sql("REPLACE INTO states VALUES (?, ?)", (node, data))
                 return
             if data is not None:
                 self._memory[node] = data
@@ -94,7 +95,7 @@ class NodeStates(Mapping[int, RecordDict]):
             self._memory.clear()
             self._held = 0
             if self._db is not None:
-                self._db.execute("DELETE FROM states")
+                self._sql("DELETE FROM states")
 
     def close(self) -> None:
         """Close the SQLite file, if the states spilled to one (it has no name: it goes)."""
@@ -114,21 +115,29 @@ class NodeStates(Mapping[int, RecordDict]):
         with self._lock:
             if self._db is None:
                 return iter(list(self._memory))
-            rows = self._db.execute("SELECT node FROM states ORDER BY node").fetchall()
+            rows = self._sql("SELECT node FROM states ORDER BY node").fetchall()
         return iter([node for (node,) in rows])
 
     def __len__(self) -> int:
         with self._lock:
             if self._db is None:
                 return len(self._memory)
-            return int(self._db.execute("SELECT COUNT(*) FROM states").fetchone()[0])
+            return int(self._sql("SELECT COUNT(*) FROM states").fetchone()[0])
 
     # ----- storage --------------------------------------------------------------------------
+    def _sql(self, statement: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
+        """One statement on the spill file (under the lock); its failure is a NodeStateError."""
+        assert self._db is not None
+        try:
+            return self._db.execute(statement, params)
+        except sqlite3.Error as err:  # a damaged file: a dropped table, a full disk
+            raise NodeStateError(f"the spilled node states cannot be used: {err}") from None
+
     def _read(self, node: int) -> bytes | None:
         with self._lock:
             if self._db is None:
                 return self._memory.get(node)
-            row = self._db.execute("SELECT state FROM states WHERE node = ?", (node,)).fetchone()
+            row = self._sql("SELECT state FROM states WHERE node = ?", (node,)).fetchone()
         return None if row is None else bytes(row[0])
 
     def _spill(self) -> None:
