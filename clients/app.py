@@ -28,7 +28,7 @@ from fl.run.faults import fault_mod
 from fl.strategy.client import ClientHooks, ClientTime
 from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import decode, payload_traffic
-from fl.wire.contract import mismatch_reply
+from fl.wire.contract import echo, mismatch_reply
 from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
@@ -182,6 +182,7 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
             "partition-id": partition,
             **extra,
             **own_metrics(),
+            **echo(config),
         },
     )
     return Message(new_record(RecordDict, {**records, "metrics": metrics}), reply_to=msg)

@@ -31,7 +31,7 @@ from torch import nn
 from fl.strategy.client import ClientTime
 from fl.strategy.registry import get_strategy
 from fl.wire.codec import payload_traffic
-from fl.wire.contract import mismatch_reply
+from fl.wire.contract import echo, mismatch_reply
 from fl.wire.records import Layout, required_record
 
 __all__ = ["train_with_hooks"]
@@ -102,6 +102,7 @@ def train_with_hooks(
             "steps": steps,
             "samples": samples,
             **extra,
+            **echo(config),
         }
     )
     return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from fl.run.engines.local import LocalGrid
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.codec import CodecError, decode, encode, encode_dense
+from fl.wire.contract import echo
 from fl.wire.records import Layout, numpy_to_array
 from strategies.asfl import ASFLParams, ASFLServer
 from strategies.fedavg import FedAvgParams
@@ -113,3 +114,34 @@ def test_a_download_segment_lent_read_only_cannot_be_written_through_a_reopen():
         assert bytes(segment.memory[:4]) == b"good"
     finally:
         segment.close()
+
+
+def _answer(strategy: ServerStrategy, instructions, replies_from):
+    """Replies to `instructions` whose content (metrics included) is `replies_from`'s."""
+    return [
+        Message(RecordDict(dict(old.content.items())), reply_to=new)
+        for new, old in zip(instructions, replies_from, strict=True)
+    ]
+
+
+def test_a_reply_from_an_earlier_round_is_refused_by_the_kernel():
+    """pas, fedca, lbbsp, graft and asfl used to take it as current: the nonce it echoes
+    names the earlier instruction, so every strategy refuses it."""
+    strategy = _fedavg(2)
+    grid = LocalGrid(None, 2, {})  # type: ignore[arg-type]
+    vector = LAYOUT.flatten(GLOBAL) + 0.1
+    first = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
+    replies = []
+    for instruction in first:
+        config = instruction.content.config_records["config"]
+        metrics = MetricRecord(
+            {"num-examples": 10, "train-loss": 0.5, "samples": 10, **echo(config)}
+        )
+        content = {**encode_dense(vector, LAYOUT), "metrics": metrics}
+        replies.append(Message(RecordDict(content), reply_to=instruction))
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert strategy.stats.accepted == 2 and arrays is not None
+    second = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    strategy.aggregate_train(2, _answer(strategy, second, replies))  # round 1's, replayed
+    assert strategy.stats.accepted == 0 and strategy.stats.rejected == 2
+    assert "answers another instruction" in strategy.stats.reasons[0]

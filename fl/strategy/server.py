@@ -30,6 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fl.common.seeding import derive_seed
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
 from fl.strategy.surface import ALGORITHM_HOOKS, KERNEL_METHODS, refuse_kernel_overrides
@@ -42,6 +43,7 @@ from fl.strategy.updates import (
     reply_limit,
 )
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
+from fl.wire.contract import NONCE_KEY
 from fl.wire.records import Layout, new_record, record_of, vector_to_arrays
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
@@ -117,6 +119,7 @@ class ServerStrategy(FedAvg):
         self.staleness_exponent = 0.5  # a reply s rounds stale moves the model (1 + s)^-a
         specs = self.sync_specs()
         self.sync = SyncServer(specs) if specs else None
+        self._nonces: dict[int, int] = {}  # node -> the nonce of its unanswered instruction
 
     @final
     def attach(
@@ -224,14 +227,19 @@ class ServerStrategy(FedAvg):
         chosen = self.select(server_round, self.reachable(server_round, grid))
         if first:
             self.stats, self._stats_round = RoundStats(), server_round
+        sent_before = len(self.stats.sent)
         self.stats.sent.extend(chosen)
         messages = []
-        for node_id in chosen:
+        for index, node_id in enumerate(chosen, start=sent_before):
+            # the instruction's nonce: its reply must echo it (fl.wire.contract)
+            nonce = derive_seed(self.seed, server_round, node_id, index, 0x0CE)
+            self._nonces[node_id] = nonce
             node_config = new_record(
                 ConfigRecord,
                 {
                     **config,
                     "server-round": server_round,
+                    NONCE_KEY: nonce,
                     **self.extra_config(node_id),
                     **self.train_config(server_round, node_id),
                 },
@@ -272,6 +280,10 @@ class ServerStrategy(FedAvg):
         if record is None:
             raise ValueError("reply has no 'metrics' record")
         metrics = dict(record)
+        node = reply.metadata.src_node_id
+        echoed = metrics.pop(NONCE_KEY, None)
+        if echoed is not None and echoed != self._nonces.get(node):
+            raise ValueError("reply answers another instruction (an earlier round's, or replayed)")
         # a controller reading metrics (ASFL's reward, LB-BSP's speeds) never sees a NaN
         unfit = next((k for k, v in metrics.items() if not finite_metric(v)), None)
         if unfit is not None:
@@ -281,7 +293,6 @@ class ServerStrategy(FedAvg):
             raise ValueError(
                 f"'{self.weighted_by_key}' must be a positive int, got {num_examples!r}"
             )
-        node = reply.metadata.src_node_id
         loss = metrics.get("train-loss", 0.0)
         if not isinstance(loss, int | float):
             raise ValueError(f"'train-loss' must be a number, got {loss!r}")
@@ -360,6 +371,7 @@ class ServerStrategy(FedAvg):
                 log.warning("rejected reply of node %d: %s", node, err)
                 self._forget(node)
                 continue
+            self._nonces.pop(node, None)  # answered: its nonce is spent
             if self.sync is not None:
                 info = self.reply_info.get(node)
                 sent = info.sent_round if info is not None else self.sync.current
@@ -377,6 +389,7 @@ class ServerStrategy(FedAvg):
             self._forget(node)
 
     def _forget(self, node: int) -> None:
+        self._nonces.pop(node, None)
         if self.sync is not None:
             self.sync.forget(node)
 
@@ -485,6 +498,7 @@ class ServerStrategy(FedAvg):
         state = {name: getattr(self, name) for name in self.state_attributes}
         if self.sync is not None:
             state["sync"] = self.sync.state_dict()
+        state["nonces"] = dict(self._nonces)  # instructions still in flight (semi_async)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -493,3 +507,9 @@ class ServerStrategy(FedAvg):
             setattr(self, name, state[name])
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
+        nonces = state.get("nonces", {})  # (checkpoints from before nonces: none)
+        if not isinstance(nonces, dict) or not all(
+            isinstance(k, int) and isinstance(v, int) for k, v in nonces.items()
+        ):
+            raise ValueError("strategy state: nonces are not node -> int")
+        self._nonces = dict(nonces)

@@ -7,6 +7,12 @@ round. So every instruction from our loop names its strategy and the contract ve
 ClientApp whose half differs replies with a `CONTRACT_MISMATCH` error naming both sides,
 and the server stops the run with that error (`fl.common.errors.RunError`, a non-zero exit).
 An instruction without these keys (a stock Flower ServerApp) is accepted as it is.
+
+Each instruction also carries a nonce (`NONCE_KEY`) that our ClientApps echo in their
+reply's metrics (`echo`): the kernel accepts a reply only as the answer to the
+instruction whose nonce it echoes, so a reply from an earlier round or another
+instruction is refused whatever the strategy. A reply with no echo (a stock Flower
+ClientApp) is taken as the answer it says it is.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from fl.common.errors import RunError
 __all__ = [
     "CONTRACT_MISMATCH",
     "CONTRACT_VERSION",
+    "NONCE_KEY",
     "ContractMismatch",
     "check_reply_error",
+    "echo",
     "mismatch_reply",
     "stamp",
 ]
@@ -31,6 +39,7 @@ __all__ = [
 CONTRACT_VERSION = 1
 CONTRACT_MISMATCH = 100  # an error code outside Flower's own (flwr.common.constant.ErrorCode)
 STRATEGY_KEY, VERSION_KEY = "fl-strategy", "fl-contract"
+NONCE_KEY = "fl-nonce"  # in an instruction's config and, echoed, in its reply's metrics
 
 
 class ContractMismatch(RunError):
@@ -40,6 +49,11 @@ class ContractMismatch(RunError):
 def stamp(strategy: str) -> dict[str, Any]:
     """Config keys naming the server's strategy and contract version."""
     return {STRATEGY_KEY: strategy, VERSION_KEY: CONTRACT_VERSION}
+
+
+def echo(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply metrics that name the instruction (its nonce), if it carried one."""
+    return {NONCE_KEY: config[NONCE_KEY]} if NONCE_KEY in config else {}
 
 
 def mismatch_reply(message: Message, config: Mapping[str, Any], strategy: str) -> Message | None:
