@@ -16,7 +16,6 @@ from fl.common.seeding import pin_torch_threads
 from fl.net.transport import transport_grid
 from fl.run.validation import validate
 from fl.strategy.server import reply_limit
-from fl.wire.records import Layout
 from fl.world.task import get_task
 from server.loop import run_training
 from server.nodes import AllowedGrid, allowed_nodes, node_wait_s, wait_for_nodes
@@ -42,6 +41,6 @@ def main(grid: Grid, context: Context) -> None:
         grid = AllowedGrid(grid, allowed)
     wait_for_nodes(grid, cfg.num_clients, node_wait_s(cfg))
     out_dir = Path(cfg.get("output_dir") or f"outputs/run-{context.run_id}")
-    limit = reply_limit(Layout.of(get_task(cfg).new_model().state_dict()))  # (task: cached)
+    limit = reply_limit(get_task(cfg).layout)  # the task is cached: run_training reuses it
     with transport_grid(grid, cfg, limit) as bulk:  # transport=grpc|rdma: arrays beside messages
         run_training(bulk, cfg, out_dir)

@@ -8,6 +8,7 @@ Problems the user can fix end in one line on stderr and a non-zero exit, never a
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from importlib.metadata import version
@@ -129,6 +130,7 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
     return [*kept, *rest, f"hydra.run.dir={run_dir}", "resume=true"]
 
 
+@functools.cache
 def _group_options(group: str) -> list[str] | None:
     """The options of config group `group` (`strategy`, `experiment/asfl_arm`) in conf/ and
     in strategy plugins' conf/; None if no such group."""

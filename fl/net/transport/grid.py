@@ -209,15 +209,15 @@ class BulkGrid(DelegatingGrid):
         deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         synchronous = bool(getattr(self.inner, "synchronous", False))
         replies: list[Message] = []
+        retried: set[str] = set()  # (synchronous engines) retries already pulled once
         while waiting:
-            retried = {i for i in waiting if self._sent[i].retried}
             landed = list(self.pull_messages(sorted(waiting)))
             replies += landed
             waiting -= {r.metadata.reply_to_message_id for r in landed}
             if synchronous:
-                waiting = {
-                    i for i in waiting if i in self._sent and self._sent[i].retried
-                } - retried
+                waiting = {i for i in waiting if i in self._sent and self._sent[i].retried}
+                waiting -= retried
+                retried |= waiting
             if not waiting or time.monotonic() >= deadline:
                 break
             if not landed:
