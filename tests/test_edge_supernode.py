@@ -26,7 +26,7 @@ import torch
 from conftest import REPO, fl_env, read_metrics
 from federation import TWO_ROUNDS, Federation, local_rows, submit
 
-from fl import task
+from fl.world import task
 
 CGROUP = Path("/sys/fs/cgroup")
 CPU_QUOTA_US, CPU_PERIOD_US = 50_000, 100_000  # half a core
