@@ -9,14 +9,17 @@ Problems the user can fix end in one line on stderr and a non-zero exit, never a
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
@@ -26,7 +29,7 @@ from fl.common.files import read_regular_text
 from fl.run.apps import Apps
 from fl.run.engines import run_engine
 from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
-from fl.run.tracking import refuse_existing_run
+from fl.run.tracking import holds_run, refuse_existing_run
 from fl.run.validation import validate
 
 __all__ = ["latest_run", "main", "preflight"]
@@ -46,12 +49,17 @@ def _save_overrides(out_dir: Path, *, resume: bool) -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def _main(cfg: DictConfig) -> None:
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+def _main(cfg: DictConfig) -> dict[str, Any] | None:
+    """One run; its summary is the job's return value (a sweeper's objective reads it)."""
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         validate(cfg)
         preflight(cfg)  # the user's output_dir; device, data files and partition sizes
         resume = bool(cfg.resume)
+        if resume and hydra_cfg.mode == RunMode.MULTIRUN and not holds_run(out_dir):
+            resume = False  # an arm the interrupted sweep never started: start it
+            print(f"fl-run: {out_dir} holds no run yet: starting this arm", flush=True)
         refuse_existing_run(out_dir, resume=resume, overwrite=bool(cfg.overwrite))
         forked = _fork(cfg, out_dir)  # checks its source before anything is written here
         _save_overrides(out_dir, resume=resume)
@@ -62,6 +70,8 @@ def _main(cfg: DictConfig) -> None:
         run_engine(cfg, to_run_config(cfg), Apps.load())
     except (ConfigError, RunError) as err:
         raise SystemExit(f"fl-run: {err}") from None
+    summary = out_dir / "summary.json"  # absent where the SuperLink's machine holds the run
+    return json.loads(read_regular_text(summary)) if summary.exists() else None
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -1,8 +1,8 @@
 """Side-by-side comparison of runs: Markdown tables and plots from their outputs.
 
-Every Hydra multirun ends with one: `ComparisonCallback` (registered for all runs in
-conf/config.yaml, a no-op for single runs) writes `comparison.md`, `comparison.png` and,
-where the runs report them, plots of strategy diagnostics into the sweep directory.
+Every Hydra multirun ends with one (`fl.run.sweep.SweepCallback`, whatever the launcher):
+`comparison.md`, `comparison.png` and, where the runs report them, plots of strategy
+diagnostics in the sweep directory.
 Runs are labelled by the overrides that differ between them; when the sweep varies
 `seed`, a second table gives each arm's mean ± std over its seeds.
 By hand, on sweep or run directories: `python -m fl.run.compare DIR [DIR ...] [--out DIR]`.
@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from fl.common.files import read_regular_text
 
-__all__ = ["ComparisonCallback", "Run", "compare_runs", "find_runs", "load_run", "main"]
+__all__ = ["Run", "compare_runs", "find_runs", "load_run", "main"]
 
 DIAGNOSTICS = (
     "frozen_fraction",
@@ -166,7 +164,7 @@ def compare_runs(
 ) -> str:
     """Write comparison.md and (with `plots`) plots for `run_dirs` into `out_dir`; return the
     Markdown."""
-    # Here, not at the top: every fl-run loads this module (the callback), few plot.
+    # Here, not at the top: every fl-run loads this module (the sweep callback), few plot.
     from fl.run.plots import plot_diagnostic, plot_runs
 
     runs = [load_run(d) for d in run_dirs]
@@ -186,20 +184,6 @@ def compare_runs(
         if reported:
             plot_diagnostic(reported, key, out_dir / f"{key}.png", title=title)
     return text
-
-
-class ComparisonCallback(Callback):
-    """Hydra callback: compare every job of a multirun once the sweep ends."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Write and print the comparison of the sweep's finished jobs."""
-        sweep_dir = Path(config.hydra.sweep.dir)
-        run_dirs = find_runs(sweep_dir)
-        if run_dirs:
-            title = str(config.get("experiment_title") or sweep_dir.name)
-            plots = bool(config.get("plots", True))
-            print(compare_runs(run_dirs, sweep_dir, title, plots=plots))
-            print(f"comparison written to {sweep_dir}/comparison.md" + " and plots" * plots)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,6 +73,12 @@ def check_run(cfg: DictConfig) -> None:
         f"must be <= num_clients ({cfg.num_clients})",
     )
     check_number(cfg, "lr", 0, strict=True)
+    require(
+        cfg.get("tuning") is None,
+        "tuning",
+        "(a tuning block)",
+        "this preset tunes its arms first: run it with python -m fl.run.tune experiment=NAME",
+    )
     check_number(cfg, "round_timeout_s", 0, strict=True, null=True)
     check_number(cfg, "momentum", 0)
     check_number(cfg, "weight_decay", 0)

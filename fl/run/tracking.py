@@ -146,6 +146,7 @@ class RunLog:
         from fl.run.plots import plot_run
 
         summary = {**summarize(self.rows, self.cfg.get("target_accuracy")), **(extra or {})}
+        summary["evaluated_on"] = self.cfg.get("evaluate_on", "test")  # accuracy's split
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.rows and self.cfg.get("plots", True):
             plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)

@@ -21,6 +21,7 @@ __all__ = [
     "Dataset",
     "DatasetNotFoundError",
     "SyntheticDevices",
+    "hold_out_validation",
     "load_dataset",
 ]
 
@@ -60,6 +61,30 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         """Shape of one sample, without the batch dimension."""
         return tuple(self.x_train.shape[1:])
+
+
+def hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> Dataset:
+    """`dataset` with a stratified `fraction` of its train split as the split evaluated, in
+    place of its test split: what tuning measures, so no tuned choice ever sees the test
+    split. Clients train on the rest."""
+    from sklearn.model_selection import train_test_split  # lazy, as in _load_digits
+
+    labels = dataset.y_train.numpy()
+    counts = np.bincount(labels, minlength=dataset.num_classes)
+    stratify = labels if counts[counts > 0].min() >= 2 else None  # a class of one: plain split
+    train, held = train_test_split(
+        np.arange(len(labels)), test_size=fraction, stratify=stratify, random_state=seed
+    )
+    train, held = np.sort(train), np.sort(held)
+    return Dataset(
+        name=dataset.name,
+        x_train=dataset.x_train[train],
+        y_train=dataset.y_train[train],
+        x_test=dataset.x_train[held],
+        y_test=dataset.y_train[held],
+        num_classes=dataset.num_classes,
+        groups=None if dataset.groups is None else dataset.groups[train],
+    )
 
 
 class DatasetNotFoundError(FileNotFoundError):

@@ -22,12 +22,19 @@ from torch import nn
 
 from fl.common.config import ConfigError, check_choice, check_int, check_number, plain, require
 from fl.wire.records import Layout
-from fl.world.data import Dataset, DatasetNotFoundError, SyntheticDevices, load_dataset
+from fl.world.data import (
+    Dataset,
+    DatasetNotFoundError,
+    SyntheticDevices,
+    hold_out_validation,
+    load_dataset,
+)
 from fl.world.models import build_model
 from fl.world.partition import SCHEMES, partition_indices
 
 __all__ = [
     "DATASETS",
+    "EVALUATION_SPLITS",
     "GPU_MEMORY_FRACTION",
     "MODELS",
     "NoDeviceError",
@@ -39,6 +46,7 @@ __all__ = [
 ]
 
 
+EVALUATION_SPLITS = ("test", "validation")  # validation: held out of train, for tuning
 DATASETS = ("digits", "shapes", "synthetic", "mnist", "cifar10")
 MODELS = ("logreg", "mlp", "cnn", "lenet5", "resnet18")
 GPU_MEMORY_FRACTION = "FL_GPU_MEMORY_FRACTION"  # env: this process's share of its GPU
@@ -167,6 +175,8 @@ def _build(key: str) -> Task:
         raise ConfigError(f"invalid config: task.dataset={task['dataset']!r}: {err}") from err
     except ValueError as err:
         raise ConfigError(f"invalid config: task.options of {task['dataset']}: {err}") from err
+    if spec["evaluate_on"] == "validation":
+        dataset = hold_out_validation(dataset, spec["validation_fraction"], spec["seed"])
     try:
         partitions = partition_indices(
             dataset.y_train.numpy(),
@@ -240,6 +250,8 @@ def get_task(cfg: DictConfig) -> Task:
         "num_clients": cfg.num_clients,
         "seed": cfg.seed,
         "device": cfg.device,
+        "evaluate_on": cfg.get("evaluate_on", "test"),
+        "validation_fraction": cfg.get("validation_fraction", 0.1),
     }
     return _build(json.dumps(spec, sort_keys=True))
 
@@ -261,6 +273,15 @@ def check_task(cfg: DictConfig) -> None:
     )
     check_choice(cfg, "partition.scheme", SCHEMES)
     scheme = cfg.partition.scheme
+    check_choice(cfg, "evaluate_on", EVALUATION_SPLITS)
+    check_number(cfg, "validation_fraction", 0, 0.5, strict=True)
+    require(
+        cfg.evaluate_on == "test" or scheme != "natural",
+        "evaluate_on",
+        cfg.evaluate_on,
+        "needs a train split to hold out from; synthetic devices generated one by one have "
+        "none (use partition=iid or dirichlet of synthetic to tune)",
+    )
     if OmegaConf.select(cfg, "partition.min_size") is not None:
         check_int(cfg, "partition.min_size", 1)  # every client gets an example
     if scheme == "dirichlet":

@@ -1,0 +1,141 @@
+"""A sweep's bookkeeping, whatever Hydra launcher runs its arms.
+
+Hydra's launchers (basic, joblib, submitit, Ray) run each arm as a job, in this process
+or far from it; `SweepCallback` (registered for every run in conf/config.yaml) makes the
+sweep's outcome independent of which one did. At the start it writes `sweep.json`, the
+number of arms the sweep holds, into the sweep directory; the job that finishes the last
+arm writes `comparison.md` and the plots there, so a sweep on SLURM is compared even when
+the process that submitted it is gone, and the submitting process writes the comparison
+at the end only if no arm did (a failed arm, or a sweeper other than Hydra's basic one).
+Resuming a sweep (`fl-run -m ... hydra.sweep.dir=DIR resume=true`) reruns no finished arm.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from fl.common.files import read_regular_text
+from fl.run.compare import compare_runs, find_runs
+
+__all__ = ["MANIFEST", "SweepCallback", "planned_arms"]
+
+log = logging.getLogger(__name__)
+MANIFEST = "sweep.json"  # {"arms": N, "compared": M}: what the sweep holds, what was compared
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def planned_arms(config: DictConfig) -> int | None:
+    """How many arms Hydra's basic sweeper will launch for `config`; None for other
+    sweepers (Optuna's trials are decided as it goes)."""
+    if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{k}={v}" for k, v in params.items()]
+    arguments += list(OmegaConf.select(config, "hydra.overrides.task") or [])
+    overrides = OverridesParser.create().parse_overrides(arguments)
+    return sum(len(batch) for batch in BasicSweeper.split_arguments(overrides, None))
+
+
+@contextmanager
+def _locked(sweep_dir: Path) -> Iterator[None]:
+    """Serialise the arms that finish together (joblib, SLURM) on the sweep's lock file."""
+    fd = os.open(sweep_dir / f".{MANIFEST}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_manifest(sweep_dir: Path) -> dict[str, int]:
+    path = sweep_dir / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(read_regular_text(path))
+    except (OSError, ValueError) as err:
+        log.warning("%s: unreadable (%s); the comparison waits for the sweep's end", path, err)
+        return {}
+    if not isinstance(manifest, dict):
+        return {}
+    return {k: v for k, v in manifest.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _write_manifest(sweep_dir: Path, manifest: dict[str, int]) -> None:
+    tmp = sweep_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest) + "\n")
+    tmp.replace(sweep_dir / MANIFEST)
+
+
+def _compare(config: DictConfig, sweep_dir: Path, run_dirs: list[Path]) -> None:
+    title = str(config.get("experiment_title") or sweep_dir.name)
+    plots = bool(config.get("plots", True))
+    print(compare_runs(run_dirs, sweep_dir, title, plots=plots))
+    print(f"comparison written to {sweep_dir}/comparison.md" + " and plots" * plots)
+
+
+class SweepCallback(Callback):
+    """Hydra callback: count a sweep's arms, and compare them once the last one ends."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Record how many arms the sweep holds (a resumed sweep keeps what it compared)."""
+        arms = planned_arms(config)
+        if arms is None:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(sweep_dir):
+            _write_manifest(sweep_dir, {"arms": arms, "compared": 0})
+        cores = len(os.sched_getaffinity(0))
+        log.info(
+            "sweep of %d arms in %s; %d cores here: hydra/launcher=joblib "
+            "hydra.launcher.n_jobs=N runs N arms at once (README, Sweeps)",
+            arms,
+            sweep_dir,
+            cores,
+        )
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        """In the job that finishes a sweep's last arm, wherever it runs: the comparison."""
+        if job_return.status != JobStatus.COMPLETED:
+            return
+        if OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        with _locked(sweep_dir):
+            manifest = _read_manifest(sweep_dir)
+            arms = manifest.get("arms")
+            run_dirs = find_runs(sweep_dir)
+            if arms is None or len(run_dirs) < arms or manifest.get("compared") == len(run_dirs):
+                return
+            _compare(config, sweep_dir, run_dirs)
+            _write_manifest(sweep_dir, {**manifest, "compared": len(run_dirs)})
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """The comparison of the arms that finished, unless the last one already wrote it."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        with _locked(sweep_dir):
+            run_dirs = find_runs(sweep_dir)
+            manifest = _read_manifest(sweep_dir)
+            if not run_dirs or manifest.get("compared") == len(run_dirs):
+                return
+            _compare(config, sweep_dir, run_dirs)
+            if manifest:
+                _write_manifest(sweep_dir, {**manifest, "compared": len(run_dirs)})
