@@ -126,6 +126,7 @@ LONGEST_FIRST = (
     "test_run.py",
     "test_engine_flower_sim.py",  # Ray: mostly waiting, good company for a busy worker
     "test_presets.py",  # one worker runs every quick sweep (about 110 s)
+    "test_sweeps.py",  # launchers, a killed sweep, a tuned preset (about 120 s)
     "test_run_dir.py",
     "test_outsiders.py",
     "test_tls_deployment.py",

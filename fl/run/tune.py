@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig
 
-from fl.common.config import CONF_DIR, ConfigError, plain
+from fl.common.config import ConfigError, compose, plain
 from fl.common.files import read_regular_text
 from fl.run.compare import compare_runs, find_runs
 
@@ -61,9 +61,10 @@ class Tuning:
         self.arms: dict[str, list[str]] = arms
         self.space: dict[str, str] = {str(k): str(v) for k, v in space.items()}
         self.trials = _positive(block.get("trials"), f"{where}.trials")
-        self.seeds = block.get("seeds")
-        if not isinstance(self.seeds, list) or not all(isinstance(s, int) for s in self.seeds):
+        seeds = block.get("seeds")
+        if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
             raise ConfigError(f"{where}.seeds: a list of seeds for the tuned runs")
+        self.seeds: list[int] = seeds
         self.sampler = str(block.get("sampler", "grid"))
         self.objective = str(block.get("objective", "final_accuracy"))
         self.direction = str(block.get("direction", "maximize"))
@@ -74,13 +75,6 @@ def _positive(value: Any, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{where}: an integer >= 1")
     return value
-
-
-def _compose(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 def _fl_run(arguments: Sequence[str], log: Path) -> None:
@@ -124,8 +118,12 @@ def tune_arm(spec: Tuning, common: list[str], arm: str, out: Path, jobs: int) ->
             out / "logs" / f"tune-{arm}.log",
         )
     report = yaml.safe_load(read_regular_text(best))
-    if not isinstance(report, dict) or not isinstance(report.get("overrides"), list):
-        raise SystemExit(f"fl.run.tune: {best}: not a study's report")
+    chosen = report.get("overrides") if isinstance(report, dict) else None
+    # a study's folder is data: what it chose is taken only as values of the tuned keys
+    if not isinstance(chosen, list) or not all(
+        isinstance(o, str) and o.partition("=")[0] in spec.space and "=" in o for o in chosen
+    ):
+        raise SystemExit(f"fl.run.tune: {best}: not a report of a study over {list(spec.space)}")
     return report
 
 
@@ -197,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(experiments) != 1:
         parser.error("give exactly one experiment=NAME")
     try:
-        cfg = _compose(args.overrides)
+        cfg = compose(list(args.overrides))
         block = cfg.get("tuning")
         spec = Tuning(plain(block) if isinstance(block, DictConfig) else block, experiments[0])
     except ConfigError as err:
