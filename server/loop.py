@@ -37,7 +37,7 @@ from fl.run.checkpoint import (
     save_checkpoint,
 )
 from fl.run.console import RoundReporter
-from fl.run.loops import Landed, LoopSettings, RoundDriver, loop_settings
+from fl.run.loops import Landed, LoopSettings, RoundDriver, WorkBounds, loop_settings
 from fl.run.tracking import RunLog, clear_run, holds_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy
@@ -293,7 +293,13 @@ def _send(
         driver.push(server_round, strategy.global_vector, messages, down)
         missing: list[int] = []
     else:
-        work = _Work(cfg.local_steps, cfg.batch_size, cfg.local_epochs)
+        work = _Work(
+            cfg.local_steps,
+            cfg.batch_size,
+            cfg.local_epochs,
+            strategy.min_local_steps,
+            cfg.privacy.name == "dpsgd" and cfg.privacy.get("sampling") == "poisson",
+        )
         asked = {
             m.metadata.dst_node_id: _asked_samples(m, work, task, partitions) for m in messages
         }
@@ -397,24 +403,44 @@ class _Work:
     local_steps: int
     batch_size: int
     local_epochs: int
+    min_steps: int | None = None  # the strategy's `min_local_steps`
+    random_batches: bool = False  # DP-SGD's Poisson batches: any count is honest
 
 
 def _asked_samples(
-    message: Message, cfg: DictConfig | _Work, task: Task, partitions: Mapping[int, int]
-) -> int:
-    """Samples the server asked one node to train on: steps x batch size, or epochs x examples.
+    message: Message, work: _Work, task: Task, partitions: Mapping[int, int]
+) -> WorkBounds:
+    """The fewest samples one node may honestly process this round, and the most it was
+    asked for: steps x batch size, or epochs x examples.
 
     Read from the node's own instruction, where a strategy's per-round keys (GIFT's
-    `local-steps`) override the run's, as the ClientApp applies them; the examples are
-    those of the partition the server knows the node holds.
+    `local-steps`, LB-BSP's `batch-size`) override the run's, as the ClientApp applies
+    them; the examples are those of the partition the server knows the node holds. The
+    clock charges a reply's reported samples clamped to these bounds: a reply claiming no
+    work gets no free time.
     """
     config = required_record(message.content, "config", ConfigRecord)
-    return _samples(
-        int(cast(int, config.get("local-steps", cfg.local_steps))),
-        int(cast(int, config.get("batch-size", cfg.batch_size))),
-        int(cast(int, config.get("local-epochs", cfg.local_epochs))),
-        int(task.sizes[partitions[message.metadata.dst_node_id]]),
-    )
+    steps = int(cast(int, config.get("local-steps", work.local_steps)))
+    batch = int(cast(int, config.get("batch-size", work.batch_size)))
+    epochs = int(cast(int, config.get("local-epochs", work.local_epochs)))
+    examples = int(task.sizes[partitions[message.metadata.dst_node_id]])
+    asked = _samples(steps, batch, epochs, examples)
+    if work.random_batches:
+        return WorkBounds(0, asked)
+    return WorkBounds(_honest_samples(steps, batch, epochs, examples, work.min_steps), asked)
+
+
+def _honest_samples(
+    steps: int, batch: int, epochs: int, examples: int, min_steps: int | None
+) -> int:
+    """Samples the trainer processes: index batches of `batch` sliced from a shuffle of
+    `examples` (a pass's last batch holds what is left), for `steps` steps or `epochs`
+    passes; only `min_steps` where the strategy lets a client stop early."""
+    per_pass = -(-examples // batch)  # steps in one pass over the examples
+    total = steps if steps > 0 else epochs * per_pass
+    if min_steps is not None:
+        total = min(total, min_steps)
+    return (total // per_pass) * examples + (total % per_pass) * batch
 
 
 def _samples(steps: int, batch_size: int, epochs: int, examples: int) -> int:

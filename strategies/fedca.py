@@ -222,6 +222,7 @@ class FedCAServer(ServerStrategy):
     """FedAvg plus a round time T_R per round, and eager layers credited on the clock."""
 
     dpsgd_safe = False  # clients stop early: DP-SGD's plan assumes the run's step count
+    min_local_steps = 1  # a client may stop after its first iteration (utility < 0)
 
     params: FedCAParams
 

@@ -15,7 +15,7 @@ from flwr.app import RecordDict
 
 from fl.common.errors import RunError
 from fl.mechanisms.roundrobin import RoundRobin
-from fl.run.loops import LoopSettings, RoundDriver, _reply
+from fl.run.loops import LoopSettings, RoundDriver, WorkBounds, _reply
 from fl.strategy.server import ClientUpdate
 from fl.wire.codec import Traffic
 from fl.world.clock import DeviceProfile, VirtualClock
@@ -49,7 +49,7 @@ def _dispatch(driver: RoundDriver, down: int, samples: int, up: int) -> list[int
         torch.zeros(1),
         replies,
         {node: Traffic(down) for node in nodes},
-        {node: samples for node in nodes},
+        {node: WorkBounds(samples, samples) for node in nodes},
         lambda reply, size: ((1.0, up),),
     )
     return nodes

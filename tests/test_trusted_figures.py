@@ -21,6 +21,7 @@ import clients.app as client
 from fl.common.config import ConfigError, compose, to_run_config
 from fl.common.errors import RunError
 from fl.run.engines.local import LocalGrid
+from fl.run.loops import WorkBounds
 from fl.run.validation import validate
 from fl.strategy.server import ServerStrategy
 from fl.wire.codec import Traffic, encode_dense, encode_masked, payload_traffic
@@ -28,7 +29,7 @@ from fl.wire.records import Layout, numpy_to_array
 from fl.world.task import get_task
 from privacy.central import CentralDP, wrap_central_dp
 from privacy.dpsgd import DPSGD
-from server.loop import _asked_samples, run_training
+from server.loop import _asked_samples, _Work, run_training
 from strategies.fedavg import FedAvgParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
@@ -101,23 +102,47 @@ def test_a_reply_claiming_more_samples_than_asked_is_charged_what_was_asked(tmp_
     assert honest[-1]["virtual_time_s"] < 60
 
 
+def test_a_reply_claiming_no_samples_gets_no_free_time(tmp_path):
+    honest, _ = _run(tmp_path / "honest", ["rounds=2"])
+    idle, _ = _run(tmp_path / "idle", ["rounds=2"], _set_metric("samples", 0))
+    assert [r["replies"] for r in idle] == [4, 4]
+    for key in ("round_time_s", "virtual_time_s"):
+        assert [r[key] for r in idle] == [r[key] for r in honest]
+
+
+def _bounds(cfg, node: int, work: _Work | None = None, **keys: int) -> WorkBounds:
+    config = ConfigRecord({"server-round": 1, **{k.replace("_", "-"): v for k, v in keys.items()}})
+    work = work or _Work(cfg.local_steps, cfg.batch_size, cfg.local_epochs)
+    message = Message(RecordDict({"config": config}), node, "train")
+    return _asked_samples(message, work, get_task(cfg), {101: 0, 102: 1})
+
+
 def test_the_samples_asked_follow_the_round_keys_a_strategy_sends():
     cfg = compose([*RUN, "local_epochs=2"])
     sizes = [len(p) for p in get_task(cfg).partitions]
-    partitions = {101: 0, 102: 1}
 
     def asked(node: int, **keys: int) -> int:
-        config = ConfigRecord(
-            {"server-round": 1, **{k.replace("_", "-"): v for k, v in keys.items()}}
-        )
-        return _asked_samples(
-            Message(RecordDict({"config": config}), node, "train"), cfg, get_task(cfg), partitions
-        )
+        return _bounds(cfg, node, **keys).high
 
     assert asked(101) == 2 * sizes[0] and asked(102) == 2 * sizes[1]
     assert asked(101, local_epochs=1) == sizes[0]
     assert asked(101, local_steps=3) == 3 * 32  # GIFT's per-round steps, the run's batch size
     assert asked(102, local_steps=3, batch_size=5) == 15
+
+
+def test_the_least_work_charged_is_what_an_honest_trainer_does():
+    cfg = compose([*RUN, "local_epochs=2"])
+    n = len(get_task(cfg).partitions[0])
+    assert _bounds(cfg, 101) == WorkBounds(2 * n, 2 * n)  # epochs: every example, each pass
+    # steps: a pass's last batch holds what is left (n = 7 * 32 + r: 8 steps a pass)
+    per_pass = -(-n // 32)
+    steps = per_pass + 2
+    assert _bounds(cfg, 101, local_steps=steps) == WorkBounds(n + 2 * 32, steps * 32)
+    assert _bounds(cfg, 101, local_steps=3, batch_size=10 * n).low == 3 * n  # batch > data
+    early = _Work(0, 32, 2, min_steps=1)  # FedCA: a client may stop after one step
+    assert _bounds(cfg, 101, early) == WorkBounds(min(32, n), 2 * n)
+    poisson = _Work(0, 32, 2, random_batches=True)  # DP-SGD: any count is honest
+    assert _bounds(cfg, 101, poisson) == WorkBounds(0, 2 * n)
 
 
 # ----- ε: the server's accountant ---------------------------------------------------------

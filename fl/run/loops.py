@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "Landed",
     "LoopSettings",
     "RoundDriver",
+    "WorkBounds",
     "check_loop",
     "loop_settings",
 ]
@@ -191,7 +192,7 @@ class RoundDriver:
         base: torch.Tensor,
         replies: list[Message],
         down: Mapping[int, Traffic],
-        asked: Mapping[int, int],
+        asked: Mapping[int, WorkBounds],
         upload_parts: Callable[[Message, int], UploadParts],
     ) -> list[int]:
         """Put this round's replies on the clock; return the nodes that sent none."""
@@ -204,11 +205,11 @@ class RoundDriver:
                 continue  # not asked this round, or a duplicate: never counted
             replied.add(node)
             up = payload_traffic(reply.content) if reply.has_content() else Traffic(0)
-            samples, parts = asked[node], upload_parts(reply, up.total)
+            samples, parts = asked[node].high, upload_parts(reply, up.total)
             if reply.has_error():  # crashed: the server learns it once the work is due
                 parts = ()
             elif reply.has_content():
-                samples = _reported_samples(reply, samples)
+                samples = _reported_samples(reply, asked[node])
             self.flights[node] = Flight(node, server_round, reply, up, sent_s=self.clock.now)
             jobs.append(Job(node, self.partitions[node], down[node].total, samples, parts))
         self._start(jobs)
@@ -470,13 +471,22 @@ class RoundDriver:
             self.schedule.load_state_dict(state["schedule"])
 
 
-def _reported_samples(reply: Message, asked: int) -> int:
-    """Samples the clock charges: what the reply reports, never more than was asked."""
+class WorkBounds(NamedTuple):
+    """The samples a node may honestly process in a round: `low` (a short last batch, a
+    strategy's early stop) to `high` (what it was asked for)."""
+
+    low: int
+    high: int
+
+
+def _reported_samples(reply: Message, bounds: WorkBounds) -> int:
+    """Samples the clock charges: what the reply reports, within what an honest client may
+    process (no free time for claiming less, no delay for claiming more)."""
     metrics = record_of(reply.content, "metrics", MetricRecord)
     reported = metrics.get("samples") if metrics is not None else None
     if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
-        return min(reported, asked)
-    return asked
+        return min(max(reported, bounds.low), bounds.high)
+    return bounds.high
 
 
 def _reply(node: int, sent_round: int, content: RecordDict, error: str | None) -> Message:

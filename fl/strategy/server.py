@@ -76,6 +76,10 @@ class ServerStrategy(FedAvg):
     # sync with late=carry): a strategy whose reply format depends on the round's state
     # (APF's mask, PAS's periods) must aggregate only replies to the current round.
     stale_replies_ok: ClassVar[bool] = True
+    # The fewest local steps an honest client of this strategy may take when asked for
+    # more (None: every step asked; FedCA's clients may stop after one). The virtual clock
+    # charges a reply at least that much work, whatever samples it reports.
+    min_local_steps: ClassVar[int | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines kernel plumbing, naming the hook to use."""
