@@ -9,11 +9,14 @@ client by the samples it processed, B_i·τ (the FL analogue of LB-BSP's batch-w
 gradient), or by |D_i| (`weight_by: examples`, FedAvg's weights, less biased towards fast
 clients on non-IID data).
 
-Throughput is measured, not told: each reply carries `compute-s`, the client's compute
-time for the round (virtual seconds on the clock, wall seconds where there is none),
-bounded by the reply's round trip as the server saw it; v = samples / compute-s feeds a
-per-client predictor (`fl.mechanisms.lbbsp`: last value, EMA, NARX without load signals). A client
-not measured yet is predicted at the mean of those that are; the first round is BSP.
+Throughput is measured by the server, not told: on the virtual clock the compute span is
+the clock's own (download end to training end, background load included; the reply's
+`compute-s` is ignored); on real arrivals the server sees only the round trip, and the
+client's `compute-s` is a hint held within [HINT_FLOOR × round trip, round trip] (our
+choice: a client can overstate its speed at most 1/HINT_FLOOR-fold, and only relative to
+its own observed round trip). v = samples / compute span feeds a per-client predictor
+(`fl.mechanisms.lbbsp`: last value, EMA, NARX without load signals). A client not measured
+yet is predicted at the mean of those that are; the first round is BSP.
 The batch sizes reach the clients as the `batch-size` key, which the trainer hands to the
 `batch_size` hook (and the clock charges); `predictor: none` keeps B_0 for everyone: BSP
 with the same weighting, the reference arm of `experiment=lbbsp`.
@@ -40,6 +43,8 @@ from fl.wire.records import Layout
 __all__ = ["LBBSPHooks", "LBBSPParams", "LBBSPServer"]
 
 WEIGHTS = ("samples", "examples")
+HINT_FLOOR = 0.5  # real arrivals: a reported compute time counts as at least this share of
+# the round trip the server saw (the spec has no rule; ours bounds what a lie can buy)
 CHOICES = ("none", *PREDICTORS)  # none: no balancing, every client B_0 (BSP)
 
 
@@ -115,13 +120,19 @@ class LBBSPServer(ServerStrategy):
         return {"batch-size": self.batches[node_id]}
 
     def check_update(self, update: ClientUpdate) -> ClientUpdate:
-        """A positive, finite `compute-s`, at most the round trip the server saw."""
+        """The compute span throughput is measured from: the clock's where there is one,
+        else the reply's positive, finite `compute-s` held within the round trip's bounds."""
+        info = self.reply_info.get(update.node_id)
+        if info is not None and info.compute_s is not None and info.compute_s > 0:
+            update.metrics["compute-s"] = info.compute_s  # observed: the report is ignored
+            return update
         compute_s = update.metrics.get("compute-s")
         if not isinstance(compute_s, int | float) or not 0 < compute_s < math.inf:
             raise ValueError(f"'compute-s' must be a positive number, got {compute_s!r}")
-        info = self.reply_info.get(update.node_id)
         if info is not None and info.arrived_s > info.sent_s:
-            update.metrics["compute-s"] = min(float(compute_s), info.arrived_s - info.sent_s)
+            round_trip = info.arrived_s - info.sent_s
+            hint = min(max(float(compute_s), HINT_FLOOR * round_trip), round_trip)
+            update.metrics["compute-s"] = hint
         return update
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
@@ -157,7 +168,8 @@ class LBBSPServer(ServerStrategy):
 
 
 class LBBSPHooks(ClientHooks):
-    """Reports the round's compute time, from which the server measures throughput."""
+    """Reports the round's compute time: a hint the server uses, within bounds, only where
+    no virtual clock shows it the span."""
 
     params: LBBSPParams
 

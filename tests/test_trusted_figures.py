@@ -110,6 +110,48 @@ def test_a_reply_claiming_no_samples_gets_no_free_time(tmp_path):
         assert [r[key] for r in idle] == [r[key] for r in honest]
 
 
+LBBSP = [
+    "strategy=lbbsp",
+    "local_steps=3",
+    "local_epochs=1",
+    "batch_size=16",
+    "partition=iid",
+    "system=heterogeneous",
+    "system.speed_spread=4",
+    "rounds=3",
+]
+
+
+def test_lbbsp_measures_throughput_on_the_clock_so_a_lie_buys_no_batch(tmp_path):
+    """A client reporting compute-s=1e-6 (a million-fold speed) took nearly the whole
+    global batch; the span the server observes on the clock ignores the report."""
+    honest, _ = _run(tmp_path / "honest", LBBSP)
+    lying, _ = _run(tmp_path / "lying", LBBSP, _set_metric("compute-s", 1e-6))
+    keys = ("batch_min", "batch_max", "batch_total", "virtual_time_s", "accuracy")
+    assert [[r[k] for k in keys] for r in lying] == [[r[k] for k in keys] for r in honest]
+    assert honest[1]["batch_min"] < 16 < honest[1]["batch_max"]  # sized from round 1: not BSP
+
+
+def test_lbbsp_holds_a_reported_compute_time_within_the_round_trip_on_real_arrivals():
+    from fl.strategy.updates import ClientUpdate, ReplyInfo
+    from strategies.lbbsp import HINT_FLOOR, LBBSPParams, LBBSPServer
+
+    server = LBBSPServer(LBBSPParams(), seed=0, clients_per_round=1)
+
+    def measured(reported: float, compute_s: float | None = None) -> float:
+        base = torch.zeros(3)
+        server.reply_info = {7: ReplyInfo(1, 0, 12.0, base, sent_s=10.0, compute_s=compute_s)}
+        update = ClientUpdate(7, base, 10, {"samples": 10, "compute-s": reported})
+        return server.check_update(update).metrics["compute-s"]
+
+    assert measured(1e-6) == HINT_FLOOR * 2.0  # a lie is held to half the round trip
+    assert measured(1.2) == 1.2  # an honest hint within the round trip stands
+    assert measured(50.0) == 2.0  # never more than the round trip
+    assert measured(1e-6, compute_s=0.7) == 0.7  # the clock's span, whatever the report
+    with pytest.raises(ValueError, match="positive"):
+        measured(float("nan"))
+
+
 def _bounds(cfg, node: int, work: _Work | None = None, **keys: int) -> WorkBounds:
     config = ConfigRecord({"server-round": 1, **{k.replace("_", "-"): v for k, v in keys.items()}})
     work = work or _Work(cfg.local_steps, cfg.batch_size, cfg.local_epochs)

@@ -103,6 +103,7 @@ class Flight:
     up: Traffic
     arrived_s: float | None = None  # set once the clock delivered it
     sent_s: float = 0.0  # when it was sent (real) or its download began (virtual)
+    compute_s: float | None = None  # its compute span on the virtual clock, once arrived
 
 
 @dataclass
@@ -311,13 +312,13 @@ class RoundDriver:
                     self._release_held()  # a scheduled group starts
                     continue
                 break
-            node, arrived_s, dropped = arrival
+            node, arrived_s, dropped, compute_s = arrival
             if dropped:  # the device went offline: its reply never comes
                 del self.flights[node]
                 given_up.append(node)
                 continue
             flight = self.flights[node]
-            flight.arrived_s = arrived_s
+            flight.arrived_s, flight.compute_s = arrived_s, compute_s
             (arrived if kind == "groups" else landed).append(flight)
         if kind == "groups" and not landed and arrived and math.isfinite(until):
             landed = arrived  # deadline: whatever has arrived lands
@@ -332,11 +333,14 @@ class RoundDriver:
         self.sync_clock()
         return self._landed(server_round, landed, given_up)
 
-    def _next_arrival(self, until: float) -> tuple[int, float, bool] | None:
-        """(node, arrival time, dropped) of the next reply to land by `until`, or None."""
+    def _next_arrival(self, until: float) -> tuple[int, float, bool, float | None] | None:
+        """(node, arrival time, dropped, compute span) of the next reply to land by `until`,
+        or None; the span is the virtual clock's (None on real arrivals)."""
         if self.real is None:
-            arrival = self.clock.next_arrival(until)
-            return None if arrival is None else (arrival.key, arrival.arrived_s, arrival.dropped)
+            a = self.clock.next_arrival(until)
+            if a is None:
+                return None
+            return a.key, a.arrived_s, a.dropped, max(a.computed_s - a.downloaded_s, 0.0)
         got = self.real.next_arrival(until)
         if got is None:
             return None
@@ -344,7 +348,7 @@ class RoundDriver:
         flight = self.flights[node]
         flight.reply = reply
         flight.up = payload_traffic(reply.content) if reply.has_content() else Traffic(0)
-        return node, landed_s, False
+        return node, landed_s, False, None
 
     def _expired(self, flight: Flight) -> bool:
         """A real instruction unanswered for longer than the deadline: its node is gone."""
@@ -396,6 +400,7 @@ class RoundDriver:
                 arrived_s=float(flight.arrived_s or 0.0),
                 base=self.bases[flight.sent_round],
                 sent_s=flight.sent_s,
+                compute_s=flight.compute_s,
             )
         live = {f.sent_round for f in self.flights.values()}
         self.bases = {r: b for r, b in self.bases.items() if r in live or r == server_round}
@@ -420,6 +425,7 @@ class RoundDriver:
                     "up": [f.up.payload, f.up.control],
                     "arrived_s": f.arrived_s,
                     "sent_s": f.sent_s,
+                    "compute_s": f.compute_s,
                 }
                 for node, f in self.flights.items()
                 if f.reply is not None
@@ -453,6 +459,7 @@ class RoundDriver:
                 up,
                 saved["arrived_s"],
                 float(saved.get("sent_s", 0.0)),
+                _span(saved.get("compute_s")),
             )
         self.held = {
             int(key): (
@@ -469,6 +476,12 @@ class RoundDriver:
         }
         if self.schedule is not None and state.get("schedule") is not None:
             self.schedule.load_state_dict(state["schedule"])
+
+
+def _span(value: Any) -> float | None:
+    """A checkpointed compute span: a finite, non-negative number, or None."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
+    return float(value) if ok else None
 
 
 class WorkBounds(NamedTuple):

@@ -40,6 +40,10 @@ class ReplyInfo:
     arrived_s: float  # virtual seconds since training began
     base: torch.Tensor  # the global vector the instruction carried
     sent_s: float = 0.0  # when its round trip began (virtual: the download's start)
+    # the compute span the server observed: the virtual clock's, from the download's end to
+    # the training's end (background load included); None on real arrivals, which show
+    # the server only the round trip
+    compute_s: float | None = None
 
 
 @dataclass
