@@ -6,7 +6,8 @@ runs, loaded by reference (`apps`); the engines that run the ServerApp and Clien
 are handed (`engines`); the round loops and the real arrival order (`loops`, `arrivals`);
 injected faults and attacks (`faults`, `attacks`); checkpoints and forks (`checkpoint`);
 metrics files, W&B and the console (`tracking`, `console`); plots and multirun
-comparisons (`plots`, `compare`).
+comparisons (`plots`, `compare`); a sweep's bookkeeping under any Hydra launcher (`sweep`)
+and equal-budget tuning of a preset's arms (`tune`).
 This is the top floor: it may import every other floor of `fl`, and none imports it.
 """
 
