@@ -184,6 +184,7 @@ class ASFLServer(ServerStrategy):
     """SAFA's cache protocol; a policy picks the quota K_t and lag tolerance τ_t."""
 
     params: ASFLParams
+    loop_kinds = ("semi_async",)  # K_t is the arrivals that close a semi-async round
     state_attributes = (
         "cache",
         "seen",

@@ -33,6 +33,7 @@ class FedBuffServer(ServerStrategy):
     """The configured aggregation rule of the rebased replies, taken as a server step."""
 
     params: FedBuffParams
+    loop_kinds = ("semi_async",)  # the buffer is the semi-async loop's buffer_k
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
         mean = super().aggregate(server_round, updates)

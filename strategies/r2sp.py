@@ -102,6 +102,7 @@ class R2SPServer(ServerStrategy):
     """Groups started in turn (the loop holds them), updates applied as groups land."""
 
     params: R2SPParams
+    loop_kinds = ("groups",)  # R2SP schedules the groups loop's group starts
     dpsgd_safe = False  # tuned batch sizes differ per node; DP-SGD assumes the run's
     state_attributes = ("spans", "batches")
 

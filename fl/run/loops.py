@@ -537,6 +537,15 @@ def check_loop(cfg: DictConfig) -> None:
     kind, late = cfg.loop.kind, cfg.loop.late
     stale = kind != "sync" or late == "carry"
     server = get_strategy(str(cfg.strategy.name)).server
+    kinds = getattr(server, "loop_kinds", None)
+    require(
+        kinds is None or kind in kinds,
+        "loop",
+        kind,
+        f"strategy={cfg.strategy.name} runs on loop={' or loop='.join(kinds or ())}, where its "
+        f"mechanism lives (on loop={kind} it would be another algorithm under its name); drop "
+        "loop= to get it",
+    )
     require(
         not stale or getattr(server, "stale_replies_ok", True),
         "loop",

@@ -80,6 +80,9 @@ class ServerStrategy(FedAvg):
     # more (None: every step asked; FedCA's clients may stop after one). The virtual clock
     # charges a reply at least that much work, whatever samples it reports.
     min_local_steps: ClassVar[int | None] = None
+    # The loop kinds the algorithm's mechanism lives in (None: any). Its conf/strategy file
+    # selects the first by default; an explicit other `loop=` is refused (fl.run.loops).
+    loop_kinds: ClassVar[tuple[str, ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines kernel plumbing, naming the hook to use."""
