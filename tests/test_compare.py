@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from conftest import python_run
 
 from fl.run.compare import compare_runs, find_runs, main
+from fl.run.intervals import interval
+from fl.run.tracking import reached_target
 
 
 def _fake_run(path, label: str, total_up: int, payload_up: int, frozen=None):
@@ -84,14 +87,32 @@ def _seed_sweep(sweep) -> None:
         _job(sweep / str(num), [f"strategy={strategy}", f"seed={seed}", "rounds=2"], accuracy)
 
 
-def test_seed_sweep_adds_mean_and_std_per_arm(tmp_path):
+def test_seed_sweep_adds_the_mean_and_its_interval_per_arm(tmp_path):
     _seed_sweep(tmp_path)
     table = compare_runs(find_runs(tmp_path), tmp_path, "t")
     lines = table.splitlines()
     assert lines[2].startswith("| strategy=fedavg seed=0 | 0.8000 |")  # rounds=2: shared, dropped
-    assert "Mean ± std over seeds:" in lines
-    assert "| strategy=fedavg | 2 | 0.8500 ± 0.0707 |" in table
-    assert "| strategy=apf | 2 | 0.6500 ± 0.0707 |" in table
+    assert any(line.startswith("Mean over seeds [95 % t-interval") for line in lines)
+    # two seeds: mean ± t(0.975, 1) · s / √2 = 0.85 ± 12.706 · 0.0707 / 1.414
+    assert "| strategy=fedavg | 2 | 0.8500 [0.2147, 1.4853] |" in table
+    assert "| strategy=apf | 2 | 0.6500 [0.0147, 1.2853] |" in table
+
+
+def test_the_interval_is_students_t_and_one_seed_has_none():
+    assert interval([0.8, 0.9]) == pytest.approx((0.85, 0.85 - 0.63531, 0.85 + 0.63531), abs=1e-5)
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]  # s = 1.5811, t(0.975, 4) = 2.7764
+    assert interval(values) == pytest.approx((3.0, 3.0 - 1.9632, 3.0 + 1.9632), abs=1e-4)
+    assert interval([0.7]) == (0.7, 0.7, 0.7)
+
+
+def test_time_to_target_needs_the_trailing_mean_to_reach_it():
+    rows = [
+        {"round": r, "accuracy": a}
+        for r, a in enumerate([0.5, 0.92, 0.8, 0.9, 0.91, 0.95, 0.93], 1)
+    ]
+    assert reached_target(rows, 0.9, 1)["round"] == 2  # the first crossing: one lucky round
+    assert reached_target(rows, 0.9, 3)["round"] == 6  # mean of rounds 4-6: 0.92
+    assert reached_target(rows, 0.99, 3) is None
 
 
 def test_cli_help():

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 
 from fl.common.files import read_regular_text
+from fl.run.intervals import interval
 
 __all__ = ["Run", "compare_runs", "find_runs", "load_run", "main"]
 
@@ -121,26 +121,33 @@ def _table(runs: Sequence[Run], labels: Sequence[str]) -> str:
 
 
 def _spread(values: Sequence[float], digits: int) -> str:
-    """Mean ± sample standard deviation."""
-    mean = statistics.mean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+    """Mean [95 % t-interval over seeds]; one seed has no interval."""
+    mean, low, high = interval(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f} (1 seed)"
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def _seed_table(runs: Sequence[Run], varying: Sequence[list[str]]) -> str:
-    """One line per arm (runs equal but for `seed=`), mean ± std over its seeds; "" if no
-    arm has several."""
+def _arms(runs: Sequence[Run], varying: Sequence[list[str]]) -> dict[str, list[Run]]:
+    """Runs grouped by arm (equal but for `seed=`); {} unless some arm has several seeds."""
     if not any(o.startswith("seed=") for overrides in varying for o in overrides):
-        return ""
+        return {}
     arms: dict[str, list[Run]] = {}
     for overrides, run in zip(varying, runs, strict=True):
         arm = " ".join(o for o in overrides if not o.startswith("seed=")) or "all runs"
         arms.setdefault(arm, []).append(run)
-    if len(arms) == len(runs):  # one seed per arm: nothing to average
-        return ""
+    return arms if len(arms) < len(runs) else {}
+
+
+def _seed_table(arms: Mapping[str, list[Run]], runs: Sequence[Run]) -> str:
+    """One line per arm: the mean over its seeds and the 95 % t-interval of that mean."""
     target = runs[0].summary.get("target_accuracy")
     head = ["arm", "seeds", "final acc", "best acc", "traffic MB (as sent)", "virtual time s"]
-    head += [f"reached {target}", f"rounds to {target}"] if target is not None else []
+    head += (
+        [f"reached {target}", f"rounds to {target}", f"virtual s to {target}"]
+        if target is not None
+        else []
+    )
     lines = [_row(head), "|" + "---|" * len(head)]
     for arm, members in arms.items():
         s = [m.summary for m in members]
@@ -153,8 +160,12 @@ def _seed_table(runs: Sequence[Run], varying: Sequence[list[str]]) -> str:
             _spread([x["virtual_time_s"] for x in s], 1),
         ]
         if target is not None:
-            hits = [x["rounds_to_target"] for x in s if x.get("rounds_to_target") is not None]
-            cells += [f"{len(hits)}/{len(s)}", _spread(hits, 1) if hits else "-"]
+            hits = [x for x in s if x.get("rounds_to_target") is not None]
+            cells += [
+                f"{len(hits)}/{len(s)}",
+                _spread([x["rounds_to_target"] for x in hits], 1) if hits else "-",
+                _spread([x["time_to_target_s"] for x in hits], 1) if hits else "-",
+            ]
         lines.append(_row(cells))
     return "\n".join(lines) + "\n"
 
@@ -171,14 +182,25 @@ def compare_runs(
     varying = _varying(runs)
     labels = [" ".join(v) or r.name for v, r in zip(varying, runs, strict=True)]
     text = _table(runs, labels)
-    if over_seeds := _seed_table(runs, varying):
-        text += f"\nMean ± std over seeds:\n\n{over_seeds}"
+    arms = _arms(runs, varying)
+    if arms:
+        text += (
+            "\nMean over seeds [95 % t-interval of the mean]; a verdict against a paper's "
+            f"figure is inconclusive while its interval holds it:\n\n{_seed_table(arms, runs)}"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
     if not plots:
         return text
     series = dict(zip(labels, (r.rows for r in runs), strict=True))
-    plot_runs(series, out_dir / "comparison.png", title=title)
+    if arms:  # one line per arm, the mean over its seeds, in a band of their interval
+        plot_runs(
+            {a: [r.rows for r in m] for a, m in arms.items()},
+            out_dir / "comparison.png",
+            title=title,
+        )
+    else:
+        plot_runs({k: [v] for k, v in series.items()}, out_dir / "comparison.png", title=title)
     for key in DIAGNOSTICS:
         reported = {label: rows for label, rows in series.items() if _mean(rows, key) is not None}
         if reported:

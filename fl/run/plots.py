@@ -11,21 +11,38 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fl.run.intervals import interval
+
 __all__ = ["plot_diagnostic", "plot_run", "plot_runs"]
 
 Rows = Sequence[Mapping[str, Any]]
 
 
-def plot_runs(runs: Mapping[str, Rows], path: Path, *, title: str = "") -> None:
-    """One figure, three panels, one line per named run."""
+def _traffic_mb(row: Mapping[str, Any]) -> float:
+    return float(row["cum_bytes_up"] + row["cum_bytes_down"]) / 1e6
+
+
+X_AXES = (lambda r: float(r["round"]), _traffic_mb, lambda r: float(r["virtual_time_s"]))
+
+
+def plot_runs(runs: Mapping[str, Sequence[Rows]], path: Path, *, title: str = "") -> None:
+    """One figure, three panels, one line per named arm: its run, or the mean over its
+    seeds' runs (round by round, up to the shortest) in a band of the mean's 95 %
+    t-interval."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-    for label, rows in runs.items():
-        acc = [r["accuracy"] for r in rows]
-        axes[0].plot([r["round"] for r in rows], acc, label=label)
-        axes[1].plot(
-            [(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in rows], acc, label=label
-        )
-        axes[2].plot([r["virtual_time_s"] for r in rows], acc, label=label)
+    for label, seeds in runs.items():
+        rounds = min(len(rows) for rows in seeds)
+        per_round = [[rows[i] for rows in seeds] for i in range(rounds)]
+        stats = [interval([r["accuracy"] for r in rows]) for rows in per_round]
+        mean = [m for m, _, _ in stats]
+        for ax, x_of in zip(axes, X_AXES, strict=True):
+            xs = [sum(x_of(r) for r in rows) / len(rows) for rows in per_round]
+            (line,) = ax.plot(
+                xs, mean, label=label if len(seeds) == 1 else f"{label} ({len(seeds)} seeds)"
+            )
+            if len(seeds) > 1:
+                low, high = [lo for _, lo, _ in stats], [hi for _, _, hi in stats]
+                ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     xlabels = ("round", "cumulative traffic, up + down (MB)", "virtual time (s)")
     for ax, xlabel in zip(axes, xlabels, strict=True):
         ax.set_xlabel(xlabel)
@@ -39,7 +56,7 @@ def plot_runs(runs: Mapping[str, Rows], path: Path, *, title: str = "") -> None:
 
 def plot_run(rows: Rows, path: Path, *, title: str = "") -> None:
     """The three panels for a single run."""
-    plot_runs({title or "run": rows}, path, title=title)
+    plot_runs({title or "run": [rows]}, path, title=title)
 
 
 def plot_diagnostic(runs: Mapping[str, Rows], key: str, path: Path, *, title: str = "") -> None:

@@ -64,6 +64,7 @@ def check_run(cfg: DictConfig) -> None:
     check_int(cfg, "local_steps", 0)
     check_int(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
     check_int(cfg, "checkpoint_every", 1)
+    check_int(cfg, "target_window", 1)
     check_int(cfg, "torch_threads", 0)
     check_int(cfg, "seed", 0, MAX_SEED)
     require(

@@ -26,6 +26,7 @@ __all__ = [
     "check_logger",
     "clear_run",
     "holds_run",
+    "reached_target",
     "refuse_existing_run",
     "summarize",
 ]
@@ -66,8 +67,23 @@ def clear_run(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
-def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict[str, Any]:
-    """Totals of a run, and how long it took to reach `target_accuracy` if it did."""
+def reached_target(rows: list[dict[str, Any]], target: float, window: int) -> dict[str, Any] | None:
+    """The first row whose trailing mean accuracy over `window` rounds (fewer in the first
+    rounds) reaches `target`: one lucky round does not count, so an arm of many short rounds
+    gets no more chances to cross on noise than one of few long rounds."""
+    recent: list[float] = []
+    for row in rows:
+        recent = [*recent[-(window - 1) :], row["accuracy"]] if window > 1 else [row["accuracy"]]
+        if sum(recent) / len(recent) >= target:
+            return row
+    return None
+
+
+def summarize(
+    rows: list[dict[str, Any]], target_accuracy: float | None, window: int = 1
+) -> dict[str, Any]:
+    """Totals of a run, and how long it took to reach `target_accuracy` if it did (by the
+    trailing mean over `window` rounds, `target_window`)."""
     if not rows:
         return {"rounds": 0}
     last = rows[-1]
@@ -84,8 +100,9 @@ def summarize(rows: list[dict[str, Any]], target_accuracy: float | None) -> dict
         "wall_time_s": last["wall_time_s"],
     }
     if target_accuracy is not None:
-        hit = next((r for r in rows if r["accuracy"] >= target_accuracy), None)
+        hit = reached_target(rows, target_accuracy, window)
         summary["target_accuracy"] = target_accuracy
+        summary["target_window"] = window
         summary["rounds_to_target"] = hit["round"] if hit else None
         summary["bytes_to_target"] = hit["cum_bytes_up"] + hit["cum_bytes_down"] if hit else None
         summary["time_to_target_s"] = hit["virtual_time_s"] if hit else None
@@ -145,7 +162,8 @@ class RunLog:
         """Write summary.json (with `extra` keys, e.g. ε per client) and the plot; close W&B."""
         from fl.run.plots import plot_run
 
-        summary = {**summarize(self.rows, self.cfg.get("target_accuracy")), **(extra or {})}
+        target, window = self.cfg.get("target_accuracy"), int(self.cfg.get("target_window", 1))
+        summary = {**summarize(self.rows, target, window), **(extra or {})}
         summary["evaluated_on"] = self.cfg.get("evaluate_on", "test")  # accuracy's split
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.rows and self.cfg.get("plots", True):
