@@ -57,10 +57,16 @@ class R2SPParams:
     lr: float = 0.3  # η at b_0 (the run's lr); a tuned batch b trains at η·b/b_0
     local_steps: int = 0  # K (the run's local_steps); batch tuning needs K > 0
     max_batch_factor: float = 2.0  # ours: a tuned batch is at most this times b_0
+    # false: no round-robin schedule, groups start whenever idle (the control arm that
+    # separates the schedule's effect from the 1/G update rule; not in the papers)
+    schedule: bool = True
+    groups: int = 1  # G, the loop's groups (conf: ${loop.groups}), for the 1/G rule
 
     def validate(self) -> None:
         if not 0.0 <= self.relaxation <= 1.0:
             raise ValueError("strategy.relaxation must be in [0, 1]")
+        if self.groups < 1:
+            raise ValueError("strategy.groups (loop.groups) must be >= 1")
         if not 0.0 <= self.period_ema < 1.0:
             raise ValueError("strategy.period_ema must be in [0, 1)")
         if self.batch_size < 1 or not self.lr > 0 or not self.max_batch_factor >= 1:
@@ -112,13 +118,13 @@ class R2SPServer(ServerStrategy):
         self.spans: dict[int, float] = {}  # node -> measured span (nan: not yet), until tuned
         self.batches: dict[int, int] = {}  # node -> tuned batch size; empty: not tuned
 
-    def group_schedule(self) -> RoundRobin:
-        return self.schedule
+    def group_schedule(self) -> RoundRobin | None:
+        return self.schedule if self.params.schedule else None
 
     @property
     def update_scale(self) -> float:
         """How far a group's update moves the global model: all of it, or 1/G (FL-R2SP)."""
-        return 1.0 / self.schedule.groups if self.params.scale_by_groups else 1.0
+        return 1.0 / self.params.groups if self.params.scale_by_groups else 1.0
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         if self.params.tune_batches and not self.batches:
@@ -155,8 +161,9 @@ class R2SPServer(ServerStrategy):
 
     def diagnostics(self) -> dict[str, Any]:
         out = super().diagnostics()
-        out["period_s"] = self.schedule.period_s
-        out["gap_s"] = self.schedule.gap_s
+        if self.params.schedule:
+            out["period_s"] = self.schedule.period_s
+            out["gap_s"] = self.schedule.gap_s
         if self.batches:
             out["batch_mean"] = sum(self.batches.values()) / len(self.batches)
         return out

@@ -120,7 +120,9 @@ def _option_leaves(group: str, option: str) -> dict[str, Any]:
         if isinstance(entry, str) and entry != "_self_":
             leaves |= _option_leaves(group, entry)
         for key, value in entry.items() if isinstance(entry, dict) else ():
-            leaves |= _option_leaves(key.removeprefix("override ").lstrip("/"), value)
+            # `override /loop@_global_.loop: X` (a strategy's own loop) is group `loop`
+            group_of = key.removeprefix("override ").lstrip("/").partition("@")[0]
+            leaves |= _option_leaves(group_of, value)
     prefix = "" if _is_global(path) else f"{group.replace('/', '.')}."
     leaves |= dict(_flat(node, prefix))
     return {k: v for k, v in leaves.items() if not (isinstance(v, str) and "${" in v)}
@@ -287,11 +289,12 @@ def _semi_async_quota(arms: list[Arm]) -> None:
 
 
 def _r2sp_schedule(arms: list[Arm]) -> None:
-    """A round is one group's replies; R2SP and FL-R2SP start groups r·T/G apart."""
+    """A round is one group's replies; R2SP and FL-R2SP start groups r·T/G apart (the
+    unscheduled FL-R2SP control arm whenever idle)."""
     for arm in arms:
         groups = arm.get("loop.groups")
         assert set(arm.column("replies")) == {arm.get("num_clients") // groups}, arm.label
-        if arm.strategy != "fedavg":
+        if arm.strategy != "fedavg" and arm.get("strategy.schedule"):
             r = arm.get("strategy.relaxation")
             for row in arm.rows:
                 assert row["gap_s"] == pytest.approx(r * row["period_s"] / groups), arm.label

@@ -13,7 +13,7 @@ import torch
 from conftest import read_metrics, run_fl, train_in_process, without_wall_time
 from flwr.app import RecordDict
 
-from fl.common.errors import RunError
+from fl.common.config import ConfigError, compose
 from fl.mechanisms.roundrobin import RoundRobin
 from fl.run.loops import LoopSettings, RoundDriver, WorkBounds, _reply
 from fl.strategy.server import ClientUpdate
@@ -124,7 +124,7 @@ def _update(node: int, vector: list[float], examples: int) -> ClientUpdate:
 
 def test_fl_r2sp_moves_the_model_by_one_over_g_of_a_group_update_r2sp_by_all() -> None:
     updates = [_update(0, [3.0, 1.0], 1), _update(1, [1.0, 5.0], 3)]  # mean (1.5, 4)
-    fl = _server(FLR2SPParams(tune_batches=False))
+    fl = _server(FLR2SPParams(tune_batches=False, groups=4))
     assert fl.aggregate(2, updates).tolist() == pytest.approx([1.125, 1.75])
     plain = _server(R2SPParams(tune_batches=False))
     assert plain.aggregate(2, updates).tolist() == pytest.approx([1.5, 4.0])
@@ -166,9 +166,10 @@ def test_fl_r2sp_cycles_faster_than_fedavg_rounds_on_a_shared_link(tmp_path: Pat
                for r in rows)  # fmt: skip
 
 
-def test_r2sp_refuses_a_loop_without_groups(tmp_path: Path) -> None:
-    with pytest.raises(RunError, match="loop=groups"):
+def test_r2sp_selects_its_loop_and_refuses_one_without_groups(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="strategy=r2sp runs on loop=groups"):
         _run(tmp_path, "strategy=r2sp", "loop=sync")
+    assert compose(["strategy=r2sp"]).loop.kind == "groups"
 
 
 RESUMED = [
