@@ -96,12 +96,13 @@ def test_multirun_sweep_runs_every_combination(tmp_path):
     assert len(summaries) == 4
     configs = {(p.parent / "config.yaml").read_text() for p in summaries}
     assert len(configs) == 4
-    # every multirun ends with the comparison table: one row per run, mean ± std per arm
+    # every multirun ends with the comparison table: one row per run, and per arm the mean
+    # over seeds with its 95 % t-interval
     text = (tmp_path / "comparison.md").read_text()
     assert text.startswith(f"# {tmp_path.name}\n")
     for label in ("fedavg seed=0", "fedavg seed=1", "fedprox seed=0", "fedprox seed=1"):
         assert f"| strategy={label} | 0." in text
-    assert re.search(r"\| strategy=fedprox \| 2 \| 0\.\d{4} ± 0\.\d{4} \|", text)
+    assert re.search(r"\| strategy=fedprox \| 2 \| 0\.\d{4} \[-?\d\.\d{4}, \d\.\d{4}\] \|", text)
     assert (tmp_path / "comparison.png").stat().st_size > 0
     assert "comparison written to" in proc.stdout
 

@@ -22,6 +22,10 @@ engines): the clock decides, so every engine aggregates the same replies in the 
 rounds, deterministically. `real` (the default of `engine=deployment`): replies land in
 the order they reach the server, deadlines are wall seconds, and time is the wall clock;
 in-flight instructions are not part of a checkpoint, so a resumed run re-asks those nodes.
+
+Why one module: the round driver's dispatch, close, cancellation and checkpoint state all
+read and write one table of flights; split apart, each piece would reach into the others'
+fields. The work bounds the clock charges (`WorkBounds`) are the driver's input.
 """
 
 from __future__ import annotations
