@@ -1,0 +1,226 @@
+"""Cohort training: K clients of one model architecture trained as one batched program.
+
+`clients.trainer.train_locally` trains one client at a time; for a small model a step is
+a few hundred FLOPs per sample and its cost is dispatch, not arithmetic. Here the K
+clients' weights are stacked on a leading client axis and every step is one call of
+`torch.func.vmap(torch.func.grad(loss))` over `torch.func.functional_call`, followed by
+one batched SGD update. What each client would have done alone is kept:
+
+- **Its batches.** Each client's index batches come from `clients.trainer._batches` with
+  a generator seeded by its own `TrainSettings.seed`: the very batches the per-client path
+  draws, its `batch_size` hook included. Ragged batches (a client's last one, LB-BSP-like
+  sizes) are padded and masked: padded rows weigh 0 and the loss is divided by the
+  client's own batch size, as `F.cross_entropy`'s mean is.
+- **Its step count.** Clients are ordered by their number of steps (most first), so the
+  clients still training at step s are a prefix of the stack and each step slices it
+  without a copy; a client that has finished is simply no longer in the slice.
+- **Its optimizer.** SGD with the run's momentum and weight decay, each client's own
+  learning rate per step (its `lr` hook), and FedProx's proximal pull μ·(w − w_anchor)
+  when the hooks declare one (`ClientHooks.proximal_pull`), in `torch.optim.SGD`'s order:
+  pull, weight decay, momentum, step.
+- **Its metrics.** steps, samples and the sample-weighted mean loss per client, so the
+  virtual clock charges each client its own time.
+
+Only hooks that declare `cohort_safe` run here (`fl.strategy.client.ClientHooks`), and
+only models without buffers (no BatchNorm running statistics) or dropout: a module whose
+forward depends on more than its parameters and input would not batch faithfully.
+
+Numbers: batched kernels sum in another order than one client's kernels, so the result is
+not bit-identical; `STEP_TOLERANCE` is the documented bound per step on the weights
+(tests/test_cohort.py checks it against `train_locally`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils.rnn import pad_sequence
+
+from clients.trainer import LocalResult, TrainSettings, _batches
+from fl.strategy.client import ClientHooks
+from fl.wire.records import Layout
+
+__all__ = ["STEP_TOLERANCE", "Member", "cohort_unfit", "train_cohort"]
+
+# Per local step, |w_cohort − w_alone| ≤ atol + rtol·|w_alone| on every weight (float32):
+# the two paths differ only in the summation order of batched kernels.
+STEP_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
+
+
+@dataclass
+class Member:
+    """One client of a cohort: its starting weights (a flat float32 vector in `Layout`
+    order, after its hooks' `load` and `begin`), its data, its hooks and its settings."""
+
+    start: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    hooks: ClientHooks
+    settings: TrainSettings
+
+
+def cohort_unfit(model: nn.Module) -> str | None:
+    """Why `model` cannot be trained as a cohort (buffers, dropout), or None."""
+    if any(True for _ in model.buffers()):
+        return "the model has buffers (BatchNorm statistics)"
+    if any(isinstance(m, _STATEFUL) for m in model.modules()):
+        return "the model has dropout or normalisation layers"
+    return None
+
+
+def _stack_params(
+    layout: Layout, flat: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """(K, D) flat weights -> {name: (K, *shape)} on `device`, in one transfer."""
+    flat = flat.to(device)
+    k, out, offset = flat.shape[0], {}, 0
+    for name, shape, size in zip(layout.names, layout.shapes, layout.sizes, strict=True):
+        out[name] = flat[:, offset : offset + size].reshape(k, *shape).contiguous()
+        offset += size
+    return out
+
+
+class _Plan:
+    """Every client's batches, ordered by step count: what each step trains on."""
+
+    def __init__(self, members: Sequence[Member], device: torch.device) -> None:
+        batches = [
+            list(
+                _batches(
+                    len(m.y), torch.Generator().manual_seed(m.settings.seed), m.settings, m.hooks
+                )
+            )
+            for m in members
+        ]
+        steps = torch.tensor([len(b) for b in batches])
+        # most steps first (stable): the clients still training at step s are a prefix
+        self.order = sorted(range(len(members)), key=lambda i: -len(batches[i]))
+        self.batches = [batches[i] for i in self.order]
+        self.steps = steps[self.order]
+        self.active = [int((self.steps > s).sum()) for s in range(int(self.steps.max()))]
+        sizes = [len(m.y) for m in members]
+        starts = torch.tensor([0, *sizes]).cumsum(0)[:-1]
+        self.offsets = starts[self.order].to(device)
+        self.device = device
+
+    def step(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step s's rows of the cohort's data (active, padded width), mask and sizes."""
+        active = self.active[s]
+        parts = [self.batches[i][s] for i in range(active)]
+        sizes = torch.tensor([len(p) for p in parts])
+        rows = pad_sequence(parts, batch_first=True).to(self.device)
+        sizes = sizes.to(self.device)
+        mask = torch.arange(rows.shape[1], device=self.device) < sizes[:, None]
+        return rows + self.offsets[:active, None], mask, sizes
+
+
+class _Rates:
+    """Each step's learning rate per client (plan order): the run's, or its `lr` hook's."""
+
+    def __init__(self, members: Sequence[Member], order: list[int], device: torch.device):
+        self.base = torch.tensor([members[i].settings.lr for i in order], device=device)
+        self.hooked = [
+            (rank, members[i].hooks, members[i].settings.lr)
+            for rank, i in enumerate(order)
+            if type(members[i].hooks).lr is not ClientHooks.lr
+        ]
+
+    def at(self, step: int, active: int) -> torch.Tensor:
+        if not self.hooked:
+            return self.base[:active]
+        rates = self.base[:active].clone()
+        for rank, hooks, base in self.hooked:
+            if rank < active:  # called once per step the client takes, as alone
+                rates[rank] = hooks.lr(step, base)
+        return rates
+
+
+def train_cohort(
+    model: nn.Module, layout: Layout, members: Sequence[Member], device: torch.device
+) -> tuple[torch.Tensor, list[LocalResult]]:
+    """Train every member from its `start` as `train_locally` would, all at once.
+
+    `model` gives the architecture (its own weights are not used or changed). Returns the
+    trained weights, one flat float32 CPU row per member in the order given, and each
+    member's `LocalResult`. Members must share the momentum and weight decay (one run's).
+    """
+    if not members:
+        return torch.empty(0, layout.numel), []
+    reason = cohort_unfit(model)
+    if reason is not None:
+        raise ValueError(f"cannot train a cohort: {reason}")
+    for m in members:
+        if len(m.y) == 0:
+            raise ValueError("this client has no training data")
+        if not type(m.hooks).cohort_safe:
+            raise ValueError(f"{type(m.hooks).__name__} does not declare cohort_safe")
+    momentum, decay = members[0].settings.momentum, members[0].settings.weight_decay
+    if any((m.settings.momentum, m.settings.weight_decay) != (momentum, decay) for m in members):
+        raise ValueError("a cohort shares one momentum and one weight decay")
+    plan = _Plan(members, device)
+    order = plan.order
+    x = torch.cat([m.x for m in members]).to(device)
+    y = torch.cat([m.y for m in members]).to(device)
+    weights = _stack_params(layout, torch.stack([members[i].start for i in order]), device)
+    pulls = [members[i].hooks.proximal_pull() for i in order]
+    mu = torch.tensor([p[0] if p else 0.0 for p in pulls], device=device)
+    anchors = None
+    if any(p is not None for p in pulls):
+        rows = [
+            torch.cat([a.detach().reshape(-1).float().cpu() for a in p[1]])
+            if p
+            else members[i].start
+            for p, i in zip(pulls, order, strict=True)
+        ]
+        anchors = _stack_params(layout, torch.stack(rows), device)
+    buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
+    rates = _Rates(members, order, device)
+
+    def loss(params: dict[str, torch.Tensor], xb: Any, yb: Any, mask: Any, size: Any) -> Any:
+        per_sample = F.cross_entropy(functional_call(model, params, (xb,)), yb, reduction="none")
+        value = (per_sample * mask).sum() / size
+        return value, value.detach()
+
+    step_grads = vmap(grad(loss, has_aux=True))
+    loss_sum = torch.zeros(len(members), device=device)
+    model.train()
+    for s, active in enumerate(plan.active):
+        rows, mask, sizes = plan.step(s)
+        params = {n: w[:active] for n, w in weights.items()}
+        grads, losses = step_grads(params, x[rows], y[rows], mask.to(x.dtype), sizes)
+        lr = rates.at(s, active)
+        with torch.no_grad():
+            for name, w in params.items():
+                g = grads[name]
+                view = (active,) + (1,) * (w.dim() - 1)
+                if anchors is not None:
+                    g = g + mu[:active].view(view) * (w - anchors[name][:active])
+                if decay:
+                    g = g + decay * w
+                if momentum:
+                    buf = buffers[name][:active]
+                    if s == 0:
+                        buf.copy_(g)
+                    else:
+                        buf.mul_(momentum).add_(g)
+                    g = buf
+                w.sub_(lr.view(view) * g)
+            loss_sum[:active] += losses * sizes
+    trained = torch.cat([w.reshape(len(members), -1) for w in weights.values()], dim=1).cpu()
+    samples = [sum(len(b) for b in batches) for batches in plan.batches]
+    means = (loss_sum.cpu() / torch.tensor(samples).clamp(min=1)).tolist()
+    out_rows = torch.empty_like(trained)
+    results: list[LocalResult | None] = [None] * len(members)
+    for rank, i in enumerate(order):
+        out_rows[i] = trained[rank]
+        results[i] = LocalResult(int(plan.steps[rank]), samples[rank], means[rank])
+        members[i].hooks.time.samples = samples[rank]
+    return out_rows, [r for r in results if r is not None]
