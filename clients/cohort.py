@@ -3,8 +3,11 @@
 `clients.trainer.train_locally` trains one client at a time; for a small model a step is
 a few hundred FLOPs per sample and its cost is dispatch, not arithmetic. Here the K
 clients' weights are stacked on a leading client axis and every step is one call of
-`torch.func.vmap(torch.func.grad(loss))` over `torch.func.functional_call`, followed by
-one batched SGD update. What each client would have done alone is kept:
+`torch.func.vmap` over `torch.func.functional_call` (the forward of every client at
+once), one backward of the sum of the clients' losses (independent clients: each gets its
+own gradient) and one batched SGD update. (Not `torch.func.grad`: it imports
+torch._dynamo, 1.5–2 s, on first use, and costs more per call.) What each client would
+have done alone is kept:
 
 - **Its batches.** Each client's index batches come from `clients.trainer._batches` with
   a generator seeded by its own `TrainSettings.seed`: the very batches the per-client path
@@ -33,14 +36,14 @@ per-client path).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 from torch.nn.utils.rnn import pad_sequence
 
 from clients.trainer import LocalResult, TrainSettings, _batches
@@ -189,22 +192,25 @@ def train_cohort(
     buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
     rates = _Rates(members, order, device)
 
-    def loss(params: dict[str, torch.Tensor], xb: Any, yb: Any, mask: Any, size: Any) -> Any:
-        per_sample = F.cross_entropy(functional_call(model, params, (xb,)), yb, reduction="none")
-        value = (per_sample * mask).sum() / size
-        return value, value.detach()
-
-    step_grads = vmap(grad(loss, has_aux=True))
+    forward = vmap(functools.partial(functional_call, model))
     loss_sum = torch.zeros(len(members), device=device)
     model.train()
     for s, active in enumerate(plan.active):
         rows, mask, sizes = plan.step(s)
-        params = {n: w[:active] for n, w in weights.items()}
-        grads, losses = step_grads(params, x[rows], y[rows], mask.to(x.dtype), sizes)
+        params = {n: w[:active].detach().requires_grad_() for n, w in weights.items()}
+        logits = forward(params, (x[rows],))  # (active, width, classes)
+        per_sample = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten(), reduction="none")
+        # each client's mean over its own batch; the clients' losses are independent, so
+        # the gradient of their sum is each client's own gradient
+        losses = (per_sample.view(mask.shape) * mask).sum(1) / sizes
+        losses.sum().backward()
+        grads = {n: p.grad for n, p in params.items()}
+        losses = losses.detach()
         lr = rates.at(s, active)
         with torch.no_grad():
-            for name, w in params.items():
-                g = grads[name]
+            for name, stacked in weights.items():
+                w, g = stacked[:active], grads[name]
+                assert g is not None
                 view = (active,) + (1,) * (w.dim() - 1)
                 if anchors is not None:
                     g = g + mu[:active].view(view) * (w - anchors[name][:active])
