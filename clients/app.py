@@ -297,13 +297,10 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
         start = layout.read(prepared.model)
         x, y = prepared.data
         members.append((i, prepared, Member(start, x, y, prepared.hooks, prepared.settings)))
-    try:
-        cohort = [member for *_, member in members]
-        trained, results = train_cohort_of(setup.task.model(), layout, cohort, setup.task.device)
-    except Exception as err:
-        for i, _, _ in members:
-            replies[i] = err
-        return CohortReplies(replies, f"cohort of {len(members)} failed: {err}")
+    # a failure here is ours, not a client's: it stops the run rather than turning every
+    # client of the round into an error reply
+    cohort = [member for *_, member in members]
+    trained, results = train_cohort_of(setup.task.model(), layout, cohort, setup.task.device)
     for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
         msg, context = pairs[i]
         try:

@@ -114,20 +114,27 @@ class _Plan:
         self.batches = [batches[i] for i in self.order]
         self.steps = steps[self.order]
         self.active = [int((self.steps > s).sum()) for s in range(int(self.steps.max()))]
-        sizes = [len(m.y) for m in members]
-        starts = torch.tensor([0, *sizes]).cumsum(0)[:-1]
-        self.offsets = starts[self.order].to(device)
-        self.device = device
+        lengths = [len(m.y) for m in members]
+        offsets = torch.tensor([0, *lengths]).cumsum(0)[:-1][self.order]
+        # every step's padded rows of the cohort's data, and its batch sizes, made on the
+        # CPU and moved to `device` in one transfer
+        rows, sizes = [], []
+        for s, active in enumerate(self.active):
+            parts = [self.batches[i][s] for i in range(active)]
+            sizes.append(torch.tensor([len(part) for part in parts]))
+            rows.append(pad_sequence(parts, batch_first=True) + offsets[:active, None])
+        shapes = [r.shape for r in rows]
+        flat = torch.cat([r.reshape(-1) for r in rows] + sizes).to(device)
+        cut = [r.numel() for r in rows] + [len(z) for z in sizes]
+        pieces = torch.split(flat, cut)
+        self.rows = [p.view(shape) for p, shape in zip(pieces[: len(rows)], shapes, strict=True)]
+        self.sizes = list(pieces[len(rows) :])
 
     def step(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step s's rows of the cohort's data (active, padded width), mask and sizes."""
-        active = self.active[s]
-        parts = [self.batches[i][s] for i in range(active)]
-        sizes = torch.tensor([len(p) for p in parts])
-        rows = pad_sequence(parts, batch_first=True).to(self.device)
-        sizes = sizes.to(self.device)
-        mask = torch.arange(rows.shape[1], device=self.device) < sizes[:, None]
-        return rows + self.offsets[:active, None], mask, sizes
+        rows, sizes = self.rows[s], self.sizes[s]
+        mask = torch.arange(rows.shape[1], device=rows.device) < sizes[:, None]
+        return rows, mask, sizes
 
 
 class _Rates:

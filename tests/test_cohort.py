@@ -294,3 +294,19 @@ def test_what_is_not_cohort_safe_falls_back_and_says_so(tmp_path, overrides, rea
     assert grid.cohort_path.startswith("per client: ") and reason in grid.cohort_path
     strip = [{k: v for k, v in r.items() if k != "wall_time_s"} for r in alone]
     assert strip == [{k: v for k, v in r.items() if k != "wall_time_s"} for r in together]
+
+
+def test_a_failing_cohort_stops_the_run_instead_of_failing_every_client(tmp_path, monkeypatch):
+    import clients.app
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug in the cohort trainer")
+
+    monkeypatch.setattr(clients.app, "train_cohort_of", broken)
+    with pytest.raises(RuntimeError, match="a bug in the cohort trainer"):
+        train_in_process(
+            tmp_path,
+            "rounds=1",
+            "progress=false",
+            grid_class=functools.partial(LocalGrid, cohort=True),
+        )
