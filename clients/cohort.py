@@ -37,7 +37,7 @@ per-client path).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +137,42 @@ class _Plan:
         return rows, mask, sizes
 
 
+Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _cohort_forward(model: nn.Module) -> Forward:
+    """Every client's forward at once: (stacked weights, (K, B, *input)) -> (K, B, out).
+
+    A Sequential of Flatten, Linear and ReLU layers (logreg, the MLP) is a chain of
+    grouped matmuls (`torch.baddbmm`), a few kernels per layer; any other model runs
+    `torch.func.vmap` over `functional_call`, which costs more dispatch per step.
+    """
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else []
+    plain = {nn.Flatten, nn.Linear, nn.ReLU}
+    if not layers or any(type(layer) not in plain for layer in layers):
+        return vmap(functools.partial(functional_call, model))
+    if any(isinstance(f, nn.Flatten) and (f.start_dim, f.end_dim) != (1, -1) for f in layers):
+        return vmap(functools.partial(functional_call, model))
+    names = [name for name, _ in model.named_children()]
+
+    def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        for name, layer in zip(names, layers, strict=True):
+            if isinstance(layer, nn.Flatten):
+                x = x.flatten(2)
+            elif isinstance(layer, nn.Linear):
+                weight = params[f"{name}.weight"].transpose(1, 2)
+                bias = params.get(f"{name}.bias")
+                if bias is None:
+                    x = torch.bmm(x, weight)
+                else:
+                    x = torch.baddbmm(bias.unsqueeze(1), x, weight)
+            else:
+                x = torch.relu(x)
+        return x
+
+    return forward
+
+
 class _Rates:
     """Each step's learning rate per client (plan order): the run's, or its `lr` hook's."""
 
@@ -199,13 +235,13 @@ def train_cohort(
     buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
     rates = _Rates(members, order, device)
 
-    forward = vmap(functools.partial(functional_call, model))
+    forward = _cohort_forward(model)
     loss_sum = torch.zeros(len(members), device=device)
     model.train()
     for s, active in enumerate(plan.active):
         rows, mask, sizes = plan.step(s)
         params = {n: w[:active].detach().requires_grad_() for n, w in weights.items()}
-        logits = forward(params, (x[rows],))  # (active, width, classes)
+        logits = forward(params, x[rows])  # (active, width, classes)
         per_sample = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten(), reduction="none")
         # each client's mean over its own batch; the clients' losses are independent, so
         # the gradient of their sum is each client's own gradient
@@ -230,7 +266,7 @@ def train_cohort(
                     else:
                         buf.mul_(momentum).add_(g)
                     g = buf
-                w.sub_(lr.view(view) * g)
+                w.addcmul_(lr.view(view), g, value=-1)
             loss_sum[:active] += losses * sizes
     trained = torch.cat([w.reshape(len(members), -1) for w in weights.values()], dim=1).cpu()
     samples = [sum(len(b) for b in batches) for batches in plan.batches]

@@ -49,11 +49,11 @@ def _hooks(kind: type[ClientHooks]) -> ClientHooks:
 
 
 def _members(
-    clients: int, settings: TrainSettings, kind: type[ClientHooks]
+    clients: int, settings: TrainSettings, kind: type[ClientHooks], *overrides: str
 ) -> tuple[nn.Module, Layout, list[Member]]:
     """Digits clients of unequal sizes (Dirichlet), each from its own starting weights,
     their hooks begun on them (FedProx's anchor is the client's own start)."""
-    task = get_task(compose(["partition=dirichlet", f"num_clients={clients}"]))
+    task = get_task(compose(["partition=dirichlet", f"num_clients={clients}", *overrides]))
     model = task.new_model()
     layout = Layout.of(model.state_dict())
     first = layout.read(model)
@@ -130,6 +130,19 @@ def test_ragged_epochs_keep_each_clients_steps_samples_and_loss():
     steps = [r.steps for r in results]
     assert len(set(steps)) > 2 and steps != sorted(steps, reverse=True)
     assert [r.samples for r in results] == [2 * len(m.y) for m in members]
+
+
+def test_a_cnn_takes_the_vmap_path_within_the_same_tolerance():
+    """Conv and pooling layers are not grouped matmuls: the cohort runs torch.func.vmap
+    over functional_call, and still keeps to the per-step tolerance (momentum included)."""
+    from clients.cohort import _cohort_forward
+
+    model, layout, members = _members(
+        4, TrainSettings(0, 1, 16, 0.1, 0.9), ClientHooks, "task.model=cnn"
+    )
+    assert getattr(_cohort_forward(model), "__name__", "") != "forward"  # not the bmm chain
+    trained, results = train_cohort(model, layout, members, torch.device("cpu"))
+    _compare(members, trained, results, _train_each(model, layout, members, ClientHooks))
 
 
 def test_another_seed_gives_other_batches_so_the_check_can_fail():

@@ -15,6 +15,7 @@ import functools
 import gc
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from logging import INFO
@@ -178,12 +179,14 @@ class LocalGrid(Grid):
         """The replies the cohort trainer gave, by position in `batch`: to the train
         messages of distinct nodes, as one call; the app leaves the rest to `_handle`."""
         assert self.cohort is not None
-        nodes = [msg.metadata.dst_node_id for msg in batch]
-        picked = [
-            i
-            for i, msg in enumerate(batch)
-            if msg.metadata.message_type == MessageType.TRAIN and nodes.count(nodes[i]) == 1
+        trains = [
+            i for i, msg in enumerate(batch) if msg.metadata.message_type == MessageType.TRAIN
         ]
+        if len(trains) < 2:
+            return {}
+        nodes = {i: batch[i].metadata.dst_node_id for i in trains}
+        once = Counter(nodes.values())
+        picked = [i for i in trains if once[nodes[i]] == 1]  # a node asked twice: in turn
         if len(picked) < 2:
             return {}
         messages = [batch[i] for i in picked]
