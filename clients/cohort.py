@@ -29,9 +29,10 @@ only models without buffers (no BatchNorm running statistics) or dropout: a modu
 forward depends on more than its parameters and input would not batch faithfully.
 
 Numbers: batched kernels sum in another order than one client's kernels, so the result is
-not bit-identical; `STEP_TOLERANCE` is the documented bound per step on the weights, and
-`METRIC_TOLERANCE` on a short run's metrics (tests/test_cohort.py checks both against the
-per-client path).
+not bit-identical; `STEP_TOLERANCE` is the documented bound per step on the weights,
+`DRIFT_TOLERANCE` in norm over a round, and `METRIC_TOLERANCE` on a short run's metrics
+(tests/test_cohort.py and experiments/gpu_check.py check them against the per-client
+path). A ReLU or max-pool input at a tie is the exception to the first two (see there).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ __all__ = ["METRIC_TOLERANCE", "STEP_TOLERANCE", "Member", "cohort_unfit", "trai
 # Per local step, |w_cohort − w_alone| ≤ atol + rtol·|w_alone| on every weight (float32):
 # the two paths differ only in the summation order of batched kernels.
 STEP_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+# The same per client over a whole round, in norm: ‖w_cohort − w_alone‖₂ ≤ this ·
+# ‖w_alone − w_start‖₂; what experiments/gpu_check.py holds the MLP cohort on CUDA to.
+# Neither bound holds where an input of a ReLU or max-pool sits at a tie: another summation
+# order may flip it, and that client's round then differs by a discrete step (1 of 200
+# LeNet-5 clients on shapes: one weight off by 1e-5 after a step, 3.8e-3 of its round's
+# update in norm; the other 199 within 2e-8). Bit-identity is not expected either way.
+DRIFT_TOLERANCE = 1e-4
 # A short run's metrics (accuracy, loss, diagnostics) with engine.cohort=auto against the
 # per-client run's: relative and absolute. Counts (steps, samples, bytes, virtual time) are
 # equal: every client takes its own batches.

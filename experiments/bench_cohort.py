@@ -9,8 +9,10 @@ the same starting weights, each with its own shuffle seed), three ways on one de
   transfer).
 
 It reports median seconds per round over `--repeats` (arms alternate within a repeat), the
-machine's load, and how much of `STEP_TOLERANCE` the cohort used against the per-client
-trainer (≤ 1: within it). No messages, no server: the figure of the training itself.
+machine's load, how much of `STEP_TOLERANCE` the cohort used per weight against the
+per-client trainer (≤ 1: within it; a ReLU or max-pool tie that flips can exceed it for a
+few weights) and its drift in norm (`DRIFT_TOLERANCE`). No messages, no server: the
+figure of the training itself.
 `experiments/gpu_check.py` runs it on CUDA; the CNN figure of issue 30 is
 
     .venv/bin/python experiments/bench_cohort.py --task shapes --clients 200
@@ -129,6 +131,8 @@ def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dic
         "cohort_vs_plain": medians["cohort"] / medians["plain"],
         "cohort_vs_per_client": medians["cohort"] / medians["per_client"],
         "tolerance_used": float(((trained - reference).abs() / (steps * bound)).max()),
+        # max over clients of ‖w_cohort − w_alone‖ / ‖w_alone − w_start‖ (≤ DRIFT_TOLERANCE)
+        "drift": float(((trained - reference).norm(dim=1) / (reference - start).norm(dim=1)).max()),
         "load1": [load1, os.getloadavg()[0]],  # at start and at end
     }
 

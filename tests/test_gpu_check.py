@@ -41,5 +41,6 @@ def test_the_cohort_section_times_three_arms_and_stays_within_tolerance() -> Non
     result = module.cohort_check("cpu", clients=40, repeats=1)
     assert set(result["round_s"]) == {"plain", "per_client", "cohort"}
     assert 0.0 <= result["tolerance_used"] <= 1.0
+    assert result["drift"] <= 1e-4
     if not torch.cuda.is_available():
         assert module.cohort_check("cuda")["skipped"].startswith("no CUDA device")
