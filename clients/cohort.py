@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.utils.rnn import pad_sequence
@@ -145,40 +144,101 @@ class _Plan:
         return rows, mask, sizes
 
 
-Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+# (stacked weights of the active clients, their rows (n, B, *input), labels (n, B), mask
+# (n, B), batch sizes (n,)) -> (each weight's gradient, each client's batch loss)
+Gradients = Callable[
+    [dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[dict[str, torch.Tensor], torch.Tensor],
+]
 
 
-def _cohort_forward(model: nn.Module) -> Forward:
-    """Every client's forward at once: (stacked weights, (K, B, *input)) -> (K, B, out).
+def _gradients(model: nn.Module) -> Gradients:
+    """Every active client's loss gradient in one program.
 
-    A Sequential of Flatten, Linear and ReLU layers (logreg, the MLP) is a chain of
-    grouped matmuls (`torch.baddbmm`), a few kernels per layer; any other model runs
-    `torch.func.vmap` over `functional_call`, which costs more dispatch per step.
+    A Sequential of Flatten, Linear and ReLU layers (logreg, the MLP) is a chain of grouped
+    matmuls whose backward is written out here (a few kernels per layer, no autograd
+    graph); any other model runs `torch.func.vmap` over `functional_call` and one autograd
+    backward of the clients' summed losses (independent clients: each gets its own
+    gradient), which costs more dispatch per step.
     """
     layers = list(model.children()) if isinstance(model, nn.Sequential) else []
-    plain = {nn.Flatten, nn.Linear, nn.ReLU}
-    if not layers or any(type(layer) not in plain for layer in layers):
-        return vmap(functools.partial(functional_call, model))
-    if any(isinstance(f, nn.Flatten) and (f.start_dim, f.end_dim) != (1, -1) for f in layers):
-        return vmap(functools.partial(functional_call, model))
-    names = [name for name, _ in model.named_children()]
+    grouped = bool(layers) and all(
+        type(layer) in (nn.Linear, nn.ReLU)
+        or (type(layer) is nn.Flatten and (layer.start_dim, layer.end_dim) == (1, -1))
+        for layer in layers
+    )
+    if grouped:
+        return functools.partial(_grouped_mlp, [name for name, _ in model.named_children()], layers)
+    return functools.partial(_vmap_autograd, vmap(functools.partial(functional_call, model)))
 
-    def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        for name, layer in zip(names, layers, strict=True):
-            if isinstance(layer, nn.Flatten):
-                x = x.flatten(2)
-            elif isinstance(layer, nn.Linear):
-                weight = params[f"{name}.weight"].transpose(1, 2)
-                bias = params.get(f"{name}.bias")
-                if bias is None:
-                    x = torch.bmm(x, weight)
-                else:
-                    x = torch.baddbmm(bias.unsqueeze(1), x, weight)
-            else:
-                x = torch.relu(x)
-        return x
 
-    return forward
+def _batch_losses(
+    log_probs: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, sizes: torch.Tensor
+) -> torch.Tensor:
+    """Each client's mean cross-entropy over its own batch (padded rows weigh 0)."""
+    picked = log_probs.gather(2, y.unsqueeze(2)).squeeze(2)
+    return -(picked * mask).sum(1) / sizes
+
+
+def _vmap_autograd(
+    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    params = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    losses = _batch_losses(torch.log_softmax(forward(params, x), dim=2), y, mask, sizes)
+    losses.sum().backward()
+    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+
+
+def _grouped_mlp(
+    names: list[str],
+    layers: list[nn.Module],
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    inputs: list[tuple[str, torch.Tensor]] = []  # (layer name, its input) per Linear
+    gates: dict[str, torch.Tensor] = {}  # the ReLU after a Linear: where it let through
+    last = ""
+    for name, layer in zip(names, layers, strict=True):
+        if isinstance(layer, nn.Flatten):
+            x = x.flatten(2)
+        elif isinstance(layer, nn.Linear):
+            inputs.append((name, x))
+            bias = weights.get(f"{name}.bias")
+            weight = weights[f"{name}.weight"].transpose(1, 2)
+            x = (
+                torch.bmm(x, weight)
+                if bias is None
+                else torch.baddbmm(bias.unsqueeze(1), x, weight)
+            )
+            last = name
+        else:
+            gates[last] = x > 0
+            x = torch.relu(x)
+    log_probs = torch.log_softmax(x, dim=2)
+    losses = _batch_losses(log_probs, y, mask, sizes)
+    # d(mean CE)/d logits = (softmax − one-hot) / batch size, 0 on padded rows
+    delta = log_probs.exp()
+    delta.scatter_add_(2, y.unsqueeze(2), torch.full_like(delta[..., :1], -1.0))
+    delta *= (mask / sizes[:, None]).unsqueeze(2)
+    grads: dict[str, torch.Tensor] = {}
+    for depth in range(len(inputs) - 1, -1, -1):
+        name, given = inputs[depth]
+        if name in gates:
+            delta = delta * gates[name]
+        grads[f"{name}.weight"] = torch.bmm(delta.transpose(1, 2), given)
+        if f"{name}.bias" in weights:
+            grads[f"{name}.bias"] = delta.sum(1)
+        if depth:
+            delta = torch.bmm(delta, weights[f"{name}.weight"])
+    return grads, losses
 
 
 class _Rates:
@@ -243,25 +303,17 @@ def train_cohort(
     buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
     rates = _Rates(members, order, device)
 
-    forward = _cohort_forward(model)
+    gradients = _gradients(model)
     loss_sum = torch.zeros(len(members), device=device)
     model.train()
     for s, active in enumerate(plan.active):
         rows, mask, sizes = plan.step(s)
-        params = {n: w[:active].detach().requires_grad_() for n, w in weights.items()}
-        logits = forward(params, x[rows])  # (active, width, classes)
-        per_sample = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten(), reduction="none")
-        # each client's mean over its own batch; the clients' losses are independent, so
-        # the gradient of their sum is each client's own gradient
-        losses = (per_sample.view(mask.shape) * mask).sum(1) / sizes
-        losses.sum().backward()
-        grads = {n: p.grad for n, p in params.items()}
-        losses = losses.detach()
+        params = {n: w[:active] for n, w in weights.items()}
+        grads, losses = gradients(params, x[rows], y[rows], mask.to(x.dtype), sizes)
         lr = rates.at(s, active)
         with torch.no_grad():
             for name, stacked in weights.items():
-                w, g = stacked[:active], grads[name]
-                assert g is not None
+                w, g = stacked[:active], grads[name]  # a weight the loss does not reach: KeyError
                 view = (active,) + (1,) * (w.dim() - 1)
                 if anchors is not None:
                     g = g + mu[:active].view(view) * (w - anchors[name][:active])

@@ -133,14 +133,18 @@ def test_ragged_epochs_keep_each_clients_steps_samples_and_loss():
 
 
 def test_a_cnn_takes_the_vmap_path_within_the_same_tolerance():
-    """Conv and pooling layers are not grouped matmuls: the cohort runs torch.func.vmap
-    over functional_call, and still keeps to the per-step tolerance (momentum included)."""
-    from clients.cohort import _cohort_forward
+    """Conv and pooling layers are not grouped matmuls (the MLP's path, which every other
+    test here takes): the cohort runs torch.func.vmap over functional_call and autograd,
+    and still keeps to the per-step tolerance (momentum included)."""
+    from clients.cohort import _gradients, _grouped_mlp, _vmap_autograd
 
     model, layout, members = _members(
         4, TrainSettings(0, 1, 16, 0.1, 0.9), ClientHooks, "task.model=cnn"
     )
-    assert getattr(_cohort_forward(model), "__name__", "") != "forward"  # not the bmm chain
+    assert _gradients(model).func is _vmap_autograd  # type: ignore[attr-defined]
+    assert (
+        _gradients(_members(2, TrainSettings(1, 0, 16, 0.1), ClientHooks)[0]).func is _grouped_mlp
+    )  # type: ignore[attr-defined]
     trained, results = train_cohort(model, layout, members, torch.device("cpu"))
     _compare(members, trained, results, _train_each(model, layout, members, ClientHooks))
 
