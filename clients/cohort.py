@@ -50,7 +50,14 @@ from clients.trainer import LocalResult, TrainSettings, _batches
 from fl.strategy.client import ClientHooks
 from fl.wire.records import Layout
 
-__all__ = ["METRIC_TOLERANCE", "STEP_TOLERANCE", "Member", "cohort_unfit", "train_cohort"]
+__all__ = [
+    "DRIFT_TOLERANCE",
+    "METRIC_TOLERANCE",
+    "STEP_TOLERANCE",
+    "Member",
+    "cohort_unfit",
+    "train_cohort",
+]
 
 # Per local step, |w_cohort − w_alone| ≤ atol + rtol·|w_alone| on every weight (float32):
 # the two paths differ only in the summation order of batched kernels.
