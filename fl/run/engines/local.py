@@ -1,7 +1,10 @@
 """The `local` engine: an in-process implementation of Flower's `Grid`.
 
 One process, no Ray, no sockets: `push_messages` queues instructions, `pull_messages`
-runs the ClientApp for them (in order, or on a thread pool) and returns the replies.
+runs the ClientApp for them (in order, or on a thread pool) and returns the replies. With
+`engine.cohort=auto` it first hands a pull's train messages to the app's cohort trainer
+together (`fl.run.apps.CohortClientApp`): the app trains those it can as one batched
+program and leaves the rest to the per-message path; the grid logs which path they took.
 Each node has a persistent `Context`, as a SuperNode would, so client state survives
 across rounds. A node's Context is built when a message reaches it and released after
 its reply; only non-empty states are kept, compactly (`NodeStates`), and they are part
