@@ -10,21 +10,24 @@ an error reply naming both (`fl.wire.contract`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from omegaconf import DictConfig
 
+from clients.cohort import Member, cohort_unfit
+from clients.cohort import train_cohort as train_cohort_of
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
 from fl.common.seeding import derive_seed, pin_torch_threads
 from fl.net.transport import bulk_mod
-from fl.run.faults import fault_mod
+from fl.net.transport.offer import OFFER
+from fl.run.apps import CohortClientApp, CohortReplies
+from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime
 from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import decode, payload_traffic
@@ -33,11 +36,22 @@ from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
 
-__all__ = ["Round", "Trainer", "app", "train_in_process", "train_message"]
+__all__ = [
+    "Round",
+    "Trainer",
+    "app",
+    "finish_round",
+    "prepare_round",
+    "train_cohort",
+    "train_in_process",
+    "train_message",
+]
 
 # bulk_mod: arrays beside Flower's messages when the server offers it (fl.net.transport);
 # outermost, so that faults act on the arrays as the ClientApp made them.
-app = ClientApp(mods=[bulk_mod, fault_mod])  # fault_mod: the configured faults (none by default)
+app = CohortClientApp(
+    mods=[bulk_mod, fault_mod]
+)  # fault_mod: the configured faults (none by default)
 
 # Train-config keys a strategy may set per node and round (GIFT's local steps, LB-BSP's
 # batch size, 2D-LRD's learning rate); absent keys keep the run's values.
@@ -151,6 +165,16 @@ Trainer = Callable[[Round, Context], tuple[LocalResult, Callable[[], dict[str, A
 
 def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     """One round of training by `trainer`; the strategy's hooks shape it and encode the reply."""
+    prepared = prepare_round(msg, context)
+    if isinstance(prepared, Message):
+        return prepared
+    result, own_metrics = trainer(prepared, context)
+    return finish_round(msg, context, prepared, result, own_metrics)
+
+
+def prepare_round(msg: Message, context: Context) -> Round | Message:
+    """The instruction loaded into this thread's model and the hooks begun (or the refusal
+    of an instruction meant for another strategy or contract)."""
     setup = _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
@@ -169,9 +193,19 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
-    prepared = Round(setup, config, model, hooks, settings, partition, data)
-    result, own_metrics = trainer(prepared, context)
-    records, extra = hooks.end(model, context.state, layout)
+    return Round(setup, config, model, hooks, settings, partition, data)
+
+
+def finish_round(
+    msg: Message,
+    context: Context,
+    prepared: Round,
+    result: LocalResult,
+    own_metrics: Callable[[], dict[str, Any]],
+) -> Message:
+    """The reply: the hooks encode the trained model; the metrics the server checks."""
+    hooks, data, partition = prepared.hooks, prepared.data, prepared.partition
+    records, extra = hooks.end(prepared.model, context.state, prepared.setup.task.layout)
     metrics = new_record(
         MetricRecord,
         {
@@ -182,7 +216,7 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
             "partition-id": partition,
             **extra,
             **own_metrics(),
-            **echo(config),
+            **echo(prepared.config),
         },
     )
     return Message(new_record(RecordDict, {**records, "metrics": metrics}), reply_to=msg)
@@ -202,6 +236,80 @@ def train_in_process(
 def train(msg: Message, context: Context) -> Message:
     """One round of local training; the strategy's hooks shape it and encode the reply."""
     return train_message(msg, context, train_in_process)
+
+
+def _cohort_refusal(pairs: Sequence[tuple[Message, Context]]) -> str | None:
+    """Why these train messages cannot train as one cohort at all, or None."""
+    keys = {run_config_key(_run_config(context)) for _, context in pairs}
+    if len(keys) != 1:
+        return "the messages belong to several runs"
+    context = pairs[0][1]
+    setup = _setup_of(context)
+    hooks = setup.spec.client
+    if not hooks.cohort_safe:
+        return f"strategy {setup.spec.name}: its client half ({hooks.__name__}) is not cohort-safe"
+    if setup.dp is not None:
+        return "privacy=dpsgd clips per sample, client by client"
+    if injects_faults(context.run_config):
+        return "faults or attacks are injected message by message"
+    return cohort_unfit(setup.task.model())
+
+
+def _no_metrics() -> dict[str, Any]:
+    return {}
+
+
+@app.cohort()
+def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
+    """Train the pull's train messages as one cohort (`clients.cohort`) where the strategy's
+    client half is cohort-safe and the run allows it; the rest go the per-client path.
+
+    Each client is prepared as alone (its hooks' `load` and `begin` on this thread's
+    model, its own seed, data and per-round settings), its starting weights are read, the
+    cohort trains, and each client's trained weights go back into the model for its
+    hooks' `end`: the same replies, within `clients.cohort.STEP_TOLERANCE` per step.
+    Messages that bring their arrays on the side channel take the per-client path.
+    """
+    replies: list[Message | BaseException | None] = [None] * len(pairs)
+    refusal = _cohort_refusal(pairs)
+    if refusal is not None:
+        return CohortReplies(replies, f"per client: {refusal}")
+    chosen = [
+        i
+        for i, (msg, _) in enumerate(pairs)
+        if not (msg.has_content() and OFFER in msg.content)  # through bulk_mod instead
+    ]
+    if len(chosen) < 2:
+        return CohortReplies(replies, "per client: fewer than 2 messages to batch")
+    setup = _setup_of(pairs[0][1])
+    layout = setup.task.layout
+    members: list[tuple[int, Round, Member]] = []
+    for i in chosen:
+        msg, context = pairs[i]
+        try:
+            prepared = prepare_round(msg, context)
+        except Exception as err:  # this client fails alone, as it would per client
+            replies[i] = err
+            continue
+        if isinstance(prepared, Message):
+            replies[i] = prepared
+            continue
+        start = layout.read(prepared.model)
+        x, y = prepared.data
+        members.append((i, prepared, Member(start, x, y, prepared.hooks, prepared.settings)))
+    # a failure here is ours, not a client's: it stops the run rather than turning every
+    # client of the round into an error reply
+    cohort = [member for *_, member in members]
+    trained, results = train_cohort_of(setup.task.model(), layout, cohort, setup.task.device)
+    for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
+        msg, context = pairs[i]
+        try:
+            layout.load_into(prepared.model, row)
+            replies[i] = finish_round(msg, context, prepared, result, _no_metrics)
+        except Exception as err:
+            replies[i] = err
+    name = setup.spec.name
+    return CohortReplies(replies, f"cohort: {len(members)} clients of {name} in one batch")
 
 
 @app.evaluate()

@@ -108,9 +108,8 @@ def _start_workers(args: argparse.Namespace) -> int:
     Stopped by SIGTERM (kill, systemd, a test) as by Ctrl-C: it ends its ranks first
     (SIGTERM's default would leave them behind, waiting for rank 0 forever).
     """
-    config = ClusterConfig(
-        args.ranks, args.backend, device="cuda" if args.backend == "nccl" else "cpu"
-    )
+    device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    config = ClusterConfig(args.ranks, args.backend, device=device)
     ranks = range(args.first_rank, args.ranks)
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     procs: list[subprocess.Popen[bytes]] = []
@@ -138,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         one.add_argument("--master", required=True, help="HOST:PORT of rank 0 (cluster-master)")
         one.add_argument("--ranks", type=int, required=True, help="N, rank 0 included")
         one.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+        one.add_argument(
+            "--device", default="", choices=("", "cpu", "cuda"), help="default: cuda for nccl"
+        )
         if name == "worker":
             one.add_argument("--rank", type=int, required=True)
             one.add_argument("--rounds", type=int, default=0, help="0: until stopped")
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         host, port = args.master.rsplit(":", 1)
-        worker_main(host, int(port), args.rank, args.ranks, args.backend, args.rounds)
+        worker_main(host, int(port), args.rank, args.ranks, args.backend, args.rounds, args.device)
         return 0
     if args.command == "workers":
         return _start_workers(args)

@@ -92,7 +92,7 @@ def _nccl_smoke() -> dict[str, Any]:
         "127.0.0.1", 0, 1, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
     )
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device(0))
     try:
         tensor = torch.arange(4, dtype=torch.float32, device="cuda")
         dist.all_reduce(tensor)

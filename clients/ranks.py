@@ -53,6 +53,7 @@ __all__ = [
     "LeadSchedule",
     "RankBatchSampler",
     "ShareController",
+    "rank_device",
     "run_cluster_round",
     "train_ranks",
     "worker_main",
@@ -333,41 +334,61 @@ class Instruction:
     device: str  # cpu | cuda
 
 
-def _device(kind: str, rank: int) -> torch.device:
-    """The CPU, or for `cuda` GPU `rank` mod the GPU count."""
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device map: the CPU, or for `cuda` GPU `rank` mod the GPU count."""
     if kind == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
-def _join(host: str, port: int, rank: int, world: int, backend: str, served: str) -> str | None:
+def _init_group(
+    backend: str, store: dist.Store, rank: int, world: int, device: torch.device
+) -> None:
+    """Bind this rank to its device, then join the group (every rank, before any collective).
+
+    With NCCL a rank that is not bound builds its communicator, and the tensors of
+    `broadcast_object_list`, on the current device: cuda:0 on every rank of a node. So the
+    device is made current first and handed to the group as its `device_id`.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=JOIN_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def _join(
+    host: str, port: int, rank: int, world: int, backend: str, device: str, served: str
+) -> str | None:
     """Join the process group of the round rank 0 opened at host:port, unless it is the
     one just `served` (rank 0 may not have closed its store yet): that round's token."""
     store = dist.TCPStore(host, port, world, is_master=False, timeout=JOIN_TIMEOUT)
     token = store.get(ROUND_KEY).decode()
     if token == served:
         return None
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(token, store),
-        rank=rank,
-        world_size=world,
-        timeout=JOIN_TIMEOUT,
-    )
+    _init_group(backend, dist.PrefixStore(token, store), rank, world, rank_device(device, rank))
     return token
 
 
-def _serve_round(rank: int) -> None:
+def _serve_round(rank: int, device_kind: str) -> None:
     """A worker's part of one round: the instruction, the model, the training."""
     box: list[Any] = [None]
     dist.broadcast_object_list(box, 0)
     instruction: Instruction = box[0]
+    if instruction.device != device_kind:
+        raise ValueError(
+            f"worker {rank} was started with --device {device_kind}, but rank 0's round "
+            f"trains on {instruction.device} (cluster-device)"
+        )
     cfg = from_run_config(instruction.run_config)
     pin_torch_threads(cfg.torch_threads)
     task = get_task(cfg)
-    device = _device(instruction.device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = rank_device(instruction.device, rank)
     model = task.new_model().to(device)
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, 0)
@@ -377,12 +398,16 @@ def _serve_round(rank: int) -> None:
     train_ranks(model, x, y, settings, None, slowdown)
 
 
-def worker_main(host: str, port: int, rank: int, world: int, backend: str, rounds: int) -> None:
-    """A worker rank: serve `rounds` rounds of rank 0 at host:port (0: until killed)."""
+def worker_main(
+    host: str, port: int, rank: int, world: int, backend: str, rounds: int, device: str = ""
+) -> None:
+    """A worker rank: serve `rounds` rounds of rank 0 at host:port (0: until killed), on
+    `device` (cpu | cuda; "": cuda for nccl, else cpu), bound to it before it joins."""
+    device = device or ("cuda" if backend == "nccl" else "cpu")
     served, token = 0, ""
     while rounds == 0 or served < rounds:
         try:
-            joined = _join(host, port, rank, world, backend, token)
+            joined = _join(host, port, rank, world, backend, device, token)
         except (RuntimeError, dist.DistStoreError) as err:  # no rank 0 (yet, or any more)
             if rounds:
                 raise
@@ -392,7 +417,7 @@ def worker_main(host: str, port: int, rank: int, world: int, backend: str, round
             time.sleep(0.2)
             continue
         try:
-            _serve_round(rank)
+            _serve_round(rank, device)
         finally:
             dist.destroy_process_group()
         served, token = served + 1, joined
@@ -403,7 +428,7 @@ def _worker_command(master: str, rank: int, config: ClusterConfig, rounds: int) 
     return [
         *(sys.executable, "-m", "clients.cluster", "worker", "--master", master),
         *("--rank", str(rank), "--ranks", str(config.ranks), "--backend", config.backend),
-        *("--rounds", str(rounds)),
+        *("--device", config.device, "--rounds", str(rounds)),
     ]
 
 
@@ -442,17 +467,9 @@ def run_cluster_round(
     token = uuid.uuid4().hex
     store.set(ROUND_KEY, token)
     workers = [] if config.master else _spawn_workers(store.port, config)
-    device = _device(instruction.device, 0)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = rank_device(instruction.device, 0)
     try:
-        dist.init_process_group(
-            config.backend,
-            store=dist.PrefixStore(token, store),
-            rank=0,
-            world_size=config.ranks,
-            timeout=JOIN_TIMEOUT,
-        )
+        _init_group(config.backend, dist.PrefixStore(token, store), 0, config.ranks, device)
         try:
             dist.broadcast_object_list([instruction], 0)
             model.to(device)

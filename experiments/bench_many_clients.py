@@ -1,4 +1,5 @@
-"""Many-client FedAvg benchmark: plain PyTorch loop vs our local engine vs vanilla Flower."""
+"""Many-client FedAvg benchmark: plain PyTorch loop vs our local engine (client by client,
+and as one cohort: `engine.cohort=auto`) vs vanilla Flower."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = ("plain", "ours", "flower")
+ARMS = ("plain", "ours", "cohort", "flower")
+OURS = ("ours", "cohort")  # fl-run arms; cohort: engine.cohort=auto (clients/cohort.py)
 SEED = 0  # conf/config.yaml's seed
 DIM, NUM_CLASSES, SAMPLES_PER_DEVICE, HIDDEN = 20, 2, 60, (32,)
 BATCH_SIZE, LOCAL_EPOCHS = 16, 1
@@ -359,9 +361,10 @@ def measure(run: Run, env: dict[str, str], log_path: Path, timeout_s: float) -> 
 def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path) -> list[str]:
     """The command line of one arm; the flower arm runs in a loopback-only namespace."""
     python = sys.executable
-    if arm == "ours":
+    if arm in OURS:
         return [
             str(Path(python).parent / "fl-run"),
+            f"engine.cohort={'auto' if arm == 'cohort' else 'off'}",
             "task=synthetic",
             "partition=natural",
             f"num_clients={clients}",
@@ -404,7 +407,7 @@ def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> R
     log_path = log_dir / f"{arm}_n{args.clients}_r{repeat}.log"
     run.waited_s = wait_for_quiet(args.quiet_wait)
     measure(run, env, log_path, args.timeout)
-    if arm == "ours" and (run_dir / "summary.json").exists():
+    if arm in OURS and (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
         run.accuracy, run.in_process_s = summary["final_accuracy"], summary["wall_time_s"]
     elif result.exists():
@@ -435,6 +438,7 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, Any]]:
             "in_process_s": statistics.median(inproc) if inproc else None,
             "cpu_s": statistics.median(r.cpu_s for r in ok),
             "foreign_cpu_s": statistics.median(r.foreign_cpu_s for r in ok),
+            "load1": statistics.median(r.load1 for r in ok),
             "peak_rss_mb": statistics.median(r.peak_rss_mb for r in ok),
             "peak_pss_mb": statistics.median(r.peak_pss_mb for r in ok),
             "processes": max(r.max_processes for r in ok),
@@ -447,9 +451,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     """Markdown table of the summary, ratios against the plain loop."""
     base = summary.get("plain")
     lines = [
-        "| arm | wall s, median (min–max) | in-process s | CPU s | other jobs' CPU s "
+        "| arm | wall s, median (min–max) | in-process s | CPU s | other jobs' CPU s | load "
         "| peak RSS MB | peak PSS MB | processes | wall × plain | RSS × plain | test accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, s in summary.items():
         ratio_wall = f"{s['wall_s'] / base['wall_s']:.2f}" if base else "–"
@@ -458,7 +462,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
         lines.append(
             f"| {arm}{failed} | {s['wall_s']:.2f} ({s['wall_min_s']:.2f}–{s['wall_max_s']:.2f}) "
-            f"| {inproc} | {s['cpu_s']:.1f} | {s['foreign_cpu_s']:.1f} "
+            f"| {inproc} | {s['cpu_s']:.1f} | {s['foreign_cpu_s']:.1f} | {s['load1']:.1f} "
             f"| {s['peak_rss_mb']:.0f} | {s['peak_pss_mb']:.0f} | {s['processes']} "
             f"| {ratio_wall} | {ratio_rss} | {s['accuracy']:.4f} |"
         )
@@ -466,11 +470,12 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
-    """The goals, checked against the medians: ours ≤ 1.5× plain, < 1 GB, ≥ 10× Flower."""
+    """The goals, checked against the medians: ours ≤ 1.5× plain, < 1 GB, ≥ 10× Flower;
+    the cohort arm ≤ 0.5× plain's rounds (in-process), ≤ 1 GB, ≥ 10× Flower."""
+    lines = _cohort_verdicts(summary)
     ours = summary.get("ours")
     if ours is None:
-        return []
-    lines = []
+        return lines
     if "plain" in summary:
         ratio = ours["wall_s"] / summary["plain"]["wall_s"]
         lines.append(f"ours / plain wall: {ratio:.2f}× (goal ≤ 1.5×: {_ok(ratio <= 1.5)})")
@@ -488,6 +493,29 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
             f"ours vs flower: {speedup:.1f}× faster, {mem:.1f}× less RSS "
             f"(goal ≥ 10× faster: {_ok(speedup >= 10)})"
         )
+    return lines
+
+
+def _cohort_verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 30's goals for the cohort arm."""
+    cohort = summary.get("cohort")
+    if cohort is None:
+        return []
+    lines = []
+    plain = summary.get("plain")
+    if plain and cohort["in_process_s"] and plain["in_process_s"]:
+        inner = cohort["in_process_s"] / plain["in_process_s"]
+        lines.append(
+            f"cohort / plain in-process (rounds): {inner:.2f}× (goal ≤ 0.5×: {_ok(inner <= 0.5)})"
+        )
+        lines.append(
+            f"cohort / plain wall (start-up included): {cohort['wall_s'] / plain['wall_s']:.2f}×"
+        )
+    rss = cohort["peak_rss_mb"]
+    lines.append(f"cohort peak RSS: {rss:.0f} MB (goal ≤ 1024 MB: {_ok(rss <= 1024)})")
+    if "flower" in summary:
+        speedup = summary["flower"]["wall_s"] / cohort["wall_s"]
+        lines.append(f"cohort vs flower: {speedup:.1f}× faster (goal ≥ 10×: {_ok(speedup >= 10)})")
     return lines
 
 

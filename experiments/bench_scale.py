@@ -1,4 +1,5 @@
-"""Population-scale benchmark: a plain PyTorch loop vs our local engine on the same sampled clients.
+"""Population-scale benchmark: a plain PyTorch loop vs our local engine (client by client, and
+as one cohort: `engine.cohort=auto`) on the same sampled clients.
 
 Both arms train `--per-round` clients a round drawn from `--clients` with the framework's
 own seeded selection, on Synthetic data generated per client (`fl.world.data.SyntheticDevices`),
@@ -52,7 +53,8 @@ from experiments.bench_many_clients import (
 
 SELECT_TAG = 0x5E1  # fl.strategy.server.ServerStrategy.select's stream
 POLL_S = 0.02
-GOALS = {"peak_rss_mb": 2048.0, "startup_s": 10.0, "round_ratio": 1.5}
+GOALS = {"peak_rss_mb": 2048.0, "startup_s": 10.0, "round_ratio": 1.5, "cohort_ratio": 0.5}
+ARMS = ("plain", "ours", "cohort")  # cohort: ours with engine.cohort=auto (clients/cohort.py)
 
 
 def devices(clients: int) -> Any:
@@ -101,9 +103,10 @@ def plain_worker(clients: int, per_round: int, rounds: int, result: Path) -> Non
     result.write_text(json.dumps({"accuracy": accuracy, **found}))
 
 
-def ours_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+def ours_command(args: argparse.Namespace, run_dir: Path, cohort: bool = False) -> list[str]:
     return [
         str(Path(sys.executable).parent / "fl-run"),
+        f"engine.cohort={'auto' if cohort else 'off'}",
         "task=synthetic",
         "partition=natural",
         f"strategy={args.strategy}",
@@ -125,8 +128,8 @@ def run_arm(arm: str, args: argparse.Namespace, log_dir: Path, repeat: int) -> d
     """Launch one arm, sample its memory, and read back its timings."""
     scratch = Path(tempfile.mkdtemp(prefix=f"scale-{arm}-"))
     result, run_dir = scratch / "result.json", scratch / "run"
-    if arm == "ours":
-        command = ours_command(args, run_dir)
+    if arm in ("ours", "cohort"):
+        command = ours_command(args, run_dir, cohort=arm == "cohort")
     else:
         command = [
             sys.executable,
@@ -140,6 +143,7 @@ def run_arm(arm: str, args: argparse.Namespace, log_dir: Path, repeat: int) -> d
     env = {**os.environ, **OFFLINE_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     sampler = TreeSampler()
+    load1 = os.getloadavg()[0]
     metrics = run_dir / "metrics.jsonl"
     first_row_at, rows_cpu_s = None, []  # our CPU seconds when each metrics row appeared
     log_path = log_dir / f"{arm}_n{args.clients}_{args.strategy}_r{repeat}.log"
@@ -172,9 +176,10 @@ def run_arm(arm: str, args: argparse.Namespace, log_dir: Path, repeat: int) -> d
         "returncode": proc.returncode,
         "wall_s": wall_s,
         "peak_rss_mb": sampler.peak_rss / 2**20,
+        "load1": load1,  # the machine's 1-minute load average at launch
         "log": str(log_path),
     }
-    if arm == "ours" and metrics.exists():
+    if arm in ("ours", "cohort") and metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         cumulative = [0.0] + [float(r["wall_time_s"]) for r in rows]
         out["rounds_s"] = [float(s) for s in np.diff(cumulative)]
@@ -204,7 +209,7 @@ def _pinned(cpu: int | None) -> Any:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per arm, medians over the successful repeats."""
     out: dict[str, dict[str, Any]] = {}
-    for arm in ("plain", "ours"):
+    for arm in ARMS:
         ok = [r for r in runs if r["arm"] == arm and r["returncode"] == 0 and "round_s" in r]
         if ok:
             out[arm] = {
@@ -216,30 +221,39 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     "round_s",
                     "round_cpu_s",
                     "accuracy",
+                    "load1",
                 )
             } | {"runs": len(ok)}
     return out
 
 
-def fastest_rounds_ratio(runs: list[dict[str, Any]]) -> float | None:
-    """Ours / plain of the summed per-round minima over repeats (rounds 2 ... n, wall).
+def fastest_rounds_ratio(runs: list[dict[str, Any]], arm: str = "ours") -> float | None:
+    """`arm` / plain of the summed per-round minima over repeats (rounds 2 ... n, wall).
 
     Both arms train the same clients in round r, so each round's fastest repeat is its cost
     with the least interference; on a shared VM, other tenants only ever add time."""
     fastest: dict[str, float] = {}
-    for arm in ("plain", "ours"):
-        rows = [r["rounds_s"][1:] for r in runs if r["arm"] == arm and r.get("rounds_s")]
+    for name in ("plain", arm):
+        rows = [r["rounds_s"][1:] for r in runs if r["arm"] == name and r.get("rounds_s")]
         if not rows or len({len(r) for r in rows}) != 1:
             return None
-        fastest[arm] = sum(min(column) for column in zip(*rows, strict=True))
-    return fastest["ours"] / fastest["plain"]
+        fastest[name] = sum(min(column) for column in zip(*rows, strict=True))
+    return fastest[arm] / fastest["plain"]
 
 
 def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
-    ours, plain = summary.get("ours"), summary.get("plain")
+    ours, plain, cohort = summary.get("ours"), summary.get("plain"), summary.get("cohort")
+    lines = []
+    if cohort is not None and plain is not None:
+        ratio = cohort["round_s"] / plain["round_s"]
+        lines.append(
+            f"cohort / plain per-round wall time {ratio:.2f}x ({cohort['round_s']:.3f} s vs "
+            f"{plain['round_s']:.3f} s; goal <= {GOALS['cohort_ratio']}x: "
+            f"{_ok(ratio <= GOALS['cohort_ratio'])})"
+        )
     if ours is None:
-        return ["ours: no successful run"]
-    lines = [
+        return lines
+    lines += [
         f"ours peak RSS {ours['peak_rss_mb']:.0f} MB (goal <= {GOALS['peak_rss_mb']:.0f}: "
         f"{_ok(ours['peak_rss_mb'] <= GOALS['peak_rss_mb'])})",
         f"ours start-up {ours['startup_s']:.2f} s (goal <= {GOALS['startup_s']:.0f} s: "
@@ -283,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if args.cpu is not None and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.cpu})
-    arms = [a for a in ("plain", "ours") if a in args.arms.split(",")]
+    arms = [a for a in ARMS if a in args.arms.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.with_suffix(".logs")
     log_dir.mkdir(exist_ok=True)
@@ -305,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "summary": summary,
         "fastest_rounds_ratio": fastest_rounds_ratio(runs),
+        "fastest_rounds_ratio_cohort": fastest_rounds_ratio(runs, "cohort"),
         "runs": runs,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -316,8 +331,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     for line in verdicts(summary):
         print(line)
-    if report["fastest_rounds_ratio"] is not None:
-        print(f"ours / plain, each round's fastest repeat: {report['fastest_rounds_ratio']:.2f}x")
+    for arm in ("ours", "cohort"):
+        ratio = report["fastest_rounds_ratio" + ("_cohort" if arm == "cohort" else "")]
+        if ratio is not None:
+            print(f"{arm} / plain, each round's fastest repeat: {ratio:.2f}x")
     print(f"written: {args.out}")
 
 

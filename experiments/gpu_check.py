@@ -1,4 +1,4 @@
-"""The GPU checks of issue 15 in one short script: passes without a GPU, exercises CUDA with one.
+"""The GPU checks of issues 15 and 30 in one script: passes without a GPU, exercises CUDA with one.
 
 - the cluster client on CUDA (`clients.cluster_check.gpu_cluster_check`): NCCL ranks on two or
   more GPUs, else gloo ranks on CUDA tensors plus a one-rank NCCL all-reduce; the
@@ -7,11 +7,16 @@
   goes through a `BulkGrid` to an in-process node whose ClientApp (behind `bulk_mod`) loads
   it onto the GPU, adds one there and replies; the reply must equal the same computation
   done directly on the GPU, bit for bit, for `grpc` and (where NIXL imports) `rdma`. Where
-  NIXL imports it also READs a host blob into a CUDA tensor registered with a NIXL agent.
+  NIXL imports it also READs a host blob into a CUDA tensor registered with a NIXL agent;
+- cohort training on CUDA (`cohort_check`, issue 30): 1000 synthetic clients (the many-client
+  benchmark's workload, MLP 20-32-2, one epoch of batch-16 SGD) trained by the plain loop,
+  by the per-client trainer and as one cohort (`clients.cohort`, the stacked cohort moved in
+  one transfer) on the same GPU; each arm's seconds, and the cohort's drift from the
+  per-client trainer's weights, which must stay within `clients.cohort.DRIFT_TOLERANCE`.
 
     .venv/bin/python experiments/gpu_check.py --json experiments/out/gpu_check.json
 
-Exit status 0 when every check that could run passed; without CUDA both report a skip.
+Exit status 0 when every check that could run passed; without CUDA each reports a skip.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.cluster_check import gpu_cluster_check
+from clients.cohort import DRIFT_TOLERANCE
 
 GRADIENT_TOLERANCE = 1e-6
 
@@ -131,6 +137,17 @@ def cuda_bulk_check(size_mb: float = 46.8) -> dict[str, Any]:
     return result
 
 
+def cohort_check(device: str = "cuda", clients: int = 1000, repeats: int = 3) -> dict[str, Any]:
+    """Issue 30's figure on `device`: `experiments/bench_cohort.py` on the many-client
+    benchmark's workload; {"skipped": why} without CUDA."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: the cohort timing needs a GPU"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from experiments.bench_cohort import SYNTHETIC, compare
+
+    return compare(SYNTHETIC, clients, device, repeats)
+
+
 def _cluster_failures(result: dict[str, Any]) -> list[str]:
     """Names of the cluster checks whose gradient or weights drifted from one process's."""
     failures = []
@@ -149,15 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--size-mb", type=float, default=46.8, help="bulk payload size")
+    parser.add_argument("--cohort-clients", type=int, default=1000, help="clients in the cohort")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"cluster": gpu_cluster_check()}
     try:
         results["bulk"] = cuda_bulk_check(args.size_mb)
     except AssertionError as err:
         results["bulk"] = {"error": str(err)}
+    results["cohort"] = cohort_check("cuda", args.cohort_clients)
     failures = _cluster_failures(results["cluster"])
     if "error" in results["bulk"]:
         failures.append(f"bulk: {results['bulk']['error']}")
+    if results["cohort"].get("drift", 0.0) > DRIFT_TOLERANCE:
+        failures.append(f"cohort: drift {results['cohort']['drift']:.1e} > {DRIFT_TOLERANCE}")
     results["failures"] = failures
     text = json.dumps(results, indent=2, default=str)
     print(text)

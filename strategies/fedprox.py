@@ -23,18 +23,24 @@ class FedProxParams:
 
 
 class FedProxHooks(ClientHooks):
-    """Adds the proximal term's gradient mu * (w - w_global) before every step."""
+    """Adds the proximal term's gradient mu * (w - w_global) before every step; a cohort
+    adds the same pull to each of its clients (`proximal_pull`)."""
 
     params: FedProxParams
+    cohort_safe = True
 
     def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
         self.anchor = [p.detach().clone() for p in model.parameters()]
 
+    def proximal_pull(self) -> tuple[float, list[torch.Tensor]]:
+        return self.params.mu, self.anchor
+
     def before_step(self, model: nn.Module) -> None:
+        mu, anchors = self.proximal_pull()
         with torch.no_grad():
-            for p, anchor in zip(model.parameters(), self.anchor, strict=True):
+            for p, anchor in zip(model.parameters(), anchors, strict=True):
                 if p.grad is not None:
-                    p.grad.add_(p - anchor, alpha=self.params.mu)
+                    p.grad.add_(p - anchor, alpha=mu)
 
 
 STRATEGY = register("fedprox", server=ServerStrategy, client=FedProxHooks, params=FedProxParams)

@@ -262,6 +262,7 @@ class FedSUHooks(ClientHooks):
     the mis-prediction of speculated ones; replies regular values and checked errors."""
 
     params: FedSUParams
+    cohort_safe = True  # load and end are its own; the steps between are plain SGD
 
     def load(
         self, model: nn.Module, content: RecordDict, state: RecordDict, layout: Layout

@@ -284,11 +284,16 @@ class FlowerStrategy(ServerStrategy):
 class FlowerHooks(ClientHooks):
     """Plain local SGD, plus FedProx's proximal term when the server sends `proximal-mu`."""
 
+    cohort_safe = True
+
     def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
         mu = float(cast(float, config.get("proximal-mu", 0.0)))
         self.proximal = FedProxHooks(FedProxParams(mu=mu)) if mu > 0 else None
         if self.proximal is not None:
             self.proximal.begin(model, config, state)
+
+    def proximal_pull(self) -> tuple[float, list[torch.Tensor]] | None:
+        return None if self.proximal is None else self.proximal.proximal_pull()
 
     def before_step(self, model: nn.Module) -> None:
         if self.proximal is not None:

@@ -196,6 +196,7 @@ class LRDHooks(ClientHooks):
     """Applies η_0 · a · γ^k at every local step; reports the last step's lr."""
 
     params: LRDParams
+    cohort_safe = True  # lr is a function of the step and of begin's round factor
 
     def begin(self, model: nn.Module, config: ConfigRecord, state: RecordDict) -> None:
         self.round_factor = float(cast(float, config.get(ROUND_FACTOR_KEY, 1.0)))

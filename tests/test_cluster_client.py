@@ -167,3 +167,103 @@ def test_gpu_check_runs_nccl_on_cuda_or_says_why_it_skipped():
     assert checks, result
     for check in checks:
         assert check["grad_max_abs_diff"] <= 1e-6 and check["weights_max_abs_diff"] <= 1e-6
+
+
+class _FirstCollective(Exception):
+    """Raised by the recorded first collective: the order up to it is all the test needs."""
+
+
+def _record_binding(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list[tuple[Any, ...]]:
+    """A node of `gpus` GPUs as torch.distributed sees it, with each call recorded."""
+    import torch.distributed as dist
+
+    events: list[tuple[Any, ...]] = []
+
+    def init(backend: str, **kwargs: Any) -> None:
+        events.append(("init", backend, kwargs["rank"], kwargs.get("device_id")))
+
+    def first_collective(objects: list[Any], src: int) -> None:
+        events.append(("broadcast_object_list", torch.cuda.current_device()))
+        raise _FirstCollective
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def set_device(device: torch.device) -> None:
+        current[0] = torch.device(device).index
+        events.append(("set_device", torch.device(device)))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setattr(dist, "broadcast_object_list", first_collective)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    return events
+
+
+def test_the_device_map_puts_rank_r_on_gpu_r_mod_the_gpu_count(monkeypatch):
+    from clients.ranks import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [rank_device("cuda", r) for r in range(4)] == [
+        torch.device("cuda", i) for i in (0, 1, 0, 1)
+    ]
+    assert rank_device("cpu", 3) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("backend, device", [("nccl", "cuda"), ("gloo", "cpu")])
+def test_every_rank_binds_its_device_before_the_first_collective(monkeypatch, backend, device):
+    """On a node of 2 GPUs each rank makes its GPU current and hands it to the group as its
+    `device_id` before the first collective; on CPU nothing is bound. Without that, NCCL
+    ranks would all build their communicators on cuda:0."""
+    from clients.ranks import ROUND_KEY, Instruction, run_cluster_round, worker_main
+
+    events = _record_binding(monkeypatch, gpus=2)
+    port = _free_port()
+    config = ClusterConfig(2, backend, device=device, master=f"127.0.0.1:{port}")
+    instruction = Instruction({}, 0, {}, (), device)
+    data = (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(_FirstCollective):  # rank 0 opens the round at `port`
+        run_cluster_round(config, torch.nn.Linear(3, 2), data, instruction, ClientHooks(None))
+    rank0, events[:] = list(events), []
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store.set(ROUND_KEY, "round-1")
+    with pytest.raises(_FirstCollective):
+        worker_main("127.0.0.1", store.port, 1, 2, backend, 1, device)
+    for rank, seen in enumerate((rank0, events)):
+        if device == "cuda":
+            gpu = torch.device("cuda", rank)
+            assert seen == [
+                ("set_device", gpu),
+                ("init", backend, rank, gpu),
+                ("broadcast_object_list", rank),
+            ]
+        else:
+            assert seen == [("init", backend, rank, None), ("broadcast_object_list", 0)]
+
+
+def test_a_worker_started_for_another_device_names_the_mismatch(monkeypatch):
+    from clients import ranks
+
+    events = _record_binding(monkeypatch, gpus=0)
+    instruction = ranks.Instruction({}, 0, {}, (), "cuda")
+
+    def deliver(objects: list[Any], src: int) -> None:
+        objects[0] = instruction
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", deliver)
+    with pytest.raises(ValueError, match=r"started with --device cpu.*trains on cuda"):
+        ranks._serve_round(1, "cpu")
+    assert events == []
+
+
+def test_the_gpu_check_runs_nccl_ranks_on_every_gpu_when_there_are_two(monkeypatch):
+    from clients import cluster_check as check
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 0))
+    monkeypatch.setattr(check, "cluster_check", lambda *args: calls.append(args) or {})
+    check.gpu_cluster_check()
+    assert calls == [(2, "nccl", "cuda")]

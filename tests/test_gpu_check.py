@@ -32,3 +32,15 @@ def test_a_drifting_gradient_fails_the_check() -> None:
         {"nccl": {"grad_max_abs_diff": 3e-6, "weights_max_abs_diff": 0.0}}
     )
     assert failures == ["nccl: max |diff| 3.00e-06 > 1e-06"]
+
+
+def test_the_cohort_section_times_three_arms_and_stays_within_tolerance() -> None:
+    """The same section the GPU runs, on the CPU with 40 clients: the cohort agrees with the
+    per-client trainer within STEP_TOLERANCE per step; without CUDA the GPU run skips."""
+    module = _script()
+    result = module.cohort_check("cpu", clients=40, repeats=1)
+    assert set(result["round_s"]) == {"plain", "per_client", "cohort"}
+    assert 0.0 <= result["tolerance_used"] <= 1.0
+    assert result["drift"] <= 1e-4
+    if not torch.cuda.is_available():
+        assert module.cohort_check("cuda")["skipped"].startswith("no CUDA device")

@@ -9,12 +9,22 @@ the engine it starts, so no engine, and nothing else in `fl`, imports `server/` 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-__all__ = ["CLIENT_APP", "SERVER_APP", "Apps", "load_app"]
+__all__ = [
+    "CLIENT_APP",
+    "SERVER_APP",
+    "Apps",
+    "CohortClientApp",
+    "CohortReplies",
+    "CohortTrain",
+    "load_app",
+]
 
 SERVER_APP = "server.app:app"
 CLIENT_APP = "clients.app:app"
@@ -42,3 +52,41 @@ class Apps:
         if not isinstance(server, ServerApp) or not isinstance(client, ClientApp):
             raise TypeError(f"{server_ref} and {client_ref} must name a ServerApp and a ClientApp")
         return cls(server, client, server_ref, client_ref)
+
+
+@dataclass(frozen=True)
+class CohortReplies:
+    """What a cohort call did with each message, in order: its reply, the exception that
+    stopped it (the engine replies with an error, as for one client), or None where it
+    left the message to the per-client path (touching nothing of its node); `path` says,
+    in words, which path the messages took and why."""
+
+    replies: list[Message | BaseException | None]
+    path: str
+
+
+# Train messages with their nodes' Contexts -> what became of each.
+CohortTrain = Callable[[Sequence[tuple[Message, Context]]], CohortReplies]
+
+
+class CohortClientApp(ClientApp):
+    """A ClientApp that may also train several nodes' train instructions in one call.
+
+    An engine that holds many clients in one process (`local`) hands such an app the
+    train messages of a pull together, as `(message, context)` pairs; the app decides
+    which of them it can train as one cohort and leaves the rest to its ordinary
+    per-message path (mods included). Any other engine sees an ordinary ClientApp.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.cohort_train: CohortTrain | None = None
+
+    def cohort(self) -> Callable[[CohortTrain], CohortTrain]:
+        """Decorator registering the cohort trainer (as `@app.train()` registers train)."""
+
+        def register(function: CohortTrain) -> CohortTrain:
+            self.cohort_train = function
+            return function
+
+        return register

@@ -24,10 +24,10 @@ from omegaconf import DictConfig
 
 from fl.common.config import check_number, from_run_config, is_finite, require, run_faults
 from fl.common.seeding import derive_seed
-from fl.run.attacks import attack_mod
+from fl.run.attacks import attack_kinds, attack_mod
 from fl.wire.records import required_record
 
-__all__ = ["InjectedCrash", "NoReply", "check_faults", "draw_fault", "fault_mod"]
+__all__ = ["InjectedCrash", "NoReply", "check_faults", "draw_fault", "fault_mod", "injects_faults"]
 
 KINDS = ("crash", "dropout", "hang")
 
@@ -49,6 +49,14 @@ def draw_fault(seed: int, server_round: int, partition: int, rates: dict[str, fl
         if u < edge:
             return kind
     return ""
+
+
+def injects_faults(run_config: dict[str, object]) -> bool:
+    """Whether the run injects faults or attacks (then every message must pass the mod)."""
+    faults = run_faults(run_config)
+    return any(float(faults.get(kind, 0.0)) for kind in KINDS) or bool(
+        attack_kinds(faults.get("attack"))
+    )
 
 
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -69,7 +69,29 @@ class ClientTime:
 
 
 class ClientHooks:
-    """Default client behaviour; a strategy overrides only what differs."""
+    """Default client behaviour; a strategy overrides only what differs.
+
+    `cohort_safe`: a cohort of clients with these hooks may train as one batched program
+    (`clients.cohort`) and get the per-client path's numbers within its tolerance. It
+    holds where training is plain local SGD: `lr` and `batch_size` depend only on the step
+    and on what `begin` saw, `before_step` adds at most `proximal_pull`, `after_step` is
+    the default, and no hook keeps a reference to the model's tensors from `begin` to
+    `end` (a cohort loads the next client into the same model in between). `load`,
+    `begin` and `end` may do anything; they run once per client as usual. The flag is not
+    inherited: a subclass is cohort-safe only where its own body says so.
+    """
+
+    cohort_safe: ClassVar[bool] = True  # plain local SGD, FedAvg's client half
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "cohort_safe" not in cls.__dict__:
+            cls.cohort_safe = False
+        elif cls.cohort_safe and cls.after_step is not ClientHooks.after_step:
+            raise TypeError(
+                f"{cls.__name__} declares cohort_safe but overrides after_step: a cohort "
+                "takes every step it planned and cannot stop one client or change its weights"
+            )
 
     def __init__(self, params: Any) -> None:
         self.params = params
@@ -94,6 +116,12 @@ class ClientHooks:
 
     def before_step(self, model: nn.Module) -> None:
         """Shape gradients after backward, before the optimizer step (e.g. FedProx)."""
+
+    def proximal_pull(self) -> tuple[float, list[torch.Tensor]] | None:
+        """(mu, anchor): the pull mu·(w − anchor) that `before_step` adds to every
+        gradient (anchor in `model.parameters()` order), or None. The form of
+        `before_step` a cohort applies to all its clients at once (FedProx)."""
+        return None
 
     def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> bool:
         """Called after each optimizer step; return False to stop local training early."""

@@ -13,6 +13,7 @@ from fl.run.apps import Apps
 __all__ = ["ENGINES", "check_engine", "run_engine"]
 
 ENGINES = ("local", "flower-sim", "deployment")
+COHORT_CHOICES = ("auto", "off")  # engine.cohort of the local engine
 
 
 def run_engine(cfg: DictConfig, run_config: dict[str, Any], apps: Apps) -> None:
@@ -41,6 +42,8 @@ def check_engine(cfg: DictConfig) -> None:
     if cfg.engine.name == "local":
         check_int(cfg, "engine.workers", 1)
         check_number(cfg, "engine.state_memory_mb", 0)
+        if OmegaConf.select(cfg, "engine.cohort") is not None:  # absent in older runs: off
+            check_choice(cfg, "engine.cohort", COHORT_CHOICES)
     if cfg.engine.name == "deployment":
         check_number(cfg, "engine.node_wait_s", 0)
         allowed = OmegaConf.select(cfg, "engine.allowed_nodes")

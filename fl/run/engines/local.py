@@ -1,7 +1,10 @@
 """The `local` engine: an in-process implementation of Flower's `Grid`.
 
 One process, no Ray, no sockets: `push_messages` queues instructions, `pull_messages`
-runs the ClientApp for them (in order, or on a thread pool) and returns the replies.
+runs the ClientApp for them (in order, or on a thread pool) and returns the replies. With
+`engine.cohort=auto` it first hands a pull's train messages to the app's cohort trainer
+together (`fl.run.apps.CohortClientApp`): the app trains those it can as one batched
+program and leaves the rest to the per-message path; the grid logs which path they took.
 Each node has a persistent `Context`, as a SuperNode would, so client state survives
 across rounds. A node's Context is built when a message reaches it and released after
 its reply; only non-empty states are kept, compactly (`NodeStates`), and they are part
@@ -15,21 +18,24 @@ import functools
 import gc
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl.run.apps import Apps
+from fl.run.apps import Apps, CohortClientApp
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
 from fl.world.population import PartitionMap
@@ -66,11 +72,19 @@ class LocalGrid(Grid):
         spill_dir: Path | None = None,
         state_memory_bytes: int = DEFAULT_MEMORY_BYTES,
         announces_partitions: bool = False,
+        cohort: bool = False,
     ) -> None:
         """`announces_partitions`: the ClientApp reports its node config's partition (ours
         does), so the server may take the map from `partition_map` instead of asking every
-        node; `spill_dir` and `state_memory_bytes`: where node states go past that budget."""
+        node; `spill_dir` and `state_memory_bytes`: where node states go past that budget;
+        `cohort`: hand a pull's train messages to the app's cohort trainer together, where
+        the app has one (`fl.run.apps.CohortClientApp`, `engine.cohort=auto`)."""
         self.client_app = client_app
+        self.cohort = client_app.cohort_train if isinstance(client_app, CohortClientApp) else None
+        if not cohort:
+            self.cohort = None
+        self.cohort_trained = 0  # train messages answered by a cohort
+        self.cohort_path = ""  # what the last pull's train messages took, in words
         self.announces_partitions = announces_partitions
         self.workers = workers
         self.serialize = serialize
@@ -129,10 +143,13 @@ class LocalGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         batch = [self._pending.pop(i) for i in message_ids if i in self._pending]
-        replies = (
-            map(self._handle, batch) if self._pool is None else self._pool.map(self._handle, batch)
+        done = self._train_cohort(batch) if self.cohort is not None else {}
+        rest = [msg for i, msg in enumerate(batch) if i not in done]
+        replies = iter(
+            map(self._handle, rest) if self._pool is None else self._pool.map(self._handle, rest)
         )
-        return [reply for reply in replies if reply is not None]
+        ordered = (done[i] if i in done else next(replies) for i in range(len(batch)))
+        return [reply for reply in ordered if reply is not None]
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -160,6 +177,44 @@ class LocalGrid(Grid):
         finally:
             self.states.put(node_id, context.state)
             self._count(-1)
+
+    def _train_cohort(self, batch: list[Message]) -> dict[int, Message]:
+        """The replies the cohort trainer gave, by position in `batch`: to the train
+        messages of distinct nodes, as one call; the app leaves the rest to `_handle`."""
+        assert self.cohort is not None
+        trains = [
+            i for i, msg in enumerate(batch) if msg.metadata.message_type == MessageType.TRAIN
+        ]
+        if len(trains) < 2:
+            return {}
+        nodes = {i: batch[i].metadata.dst_node_id for i in trains}
+        once = Counter(nodes.values())
+        picked = [i for i in trains if once[nodes[i]] == 1]  # a node asked twice: in turn
+        if len(picked) < 2:
+            return {}
+        messages = [batch[i] for i in picked]
+        if self.serialize:
+            messages = [_wire_roundtrip(msg) for msg in messages]
+        contexts = [self.context(nodes[i]) for i in picked]
+        self._count(len(picked))
+        try:
+            outcome = self.cohort(list(zip(messages, contexts, strict=True)))
+        finally:
+            self._count(-len(picked))
+        done: dict[int, Message] = {}
+        for i, msg, context, reply in zip(picked, messages, contexts, outcome.replies, strict=True):
+            if reply is None:
+                continue
+            self.states.put(nodes[i], context.state)
+            if isinstance(reply, BaseException):
+                reason = f"{type(reply).__name__}: {reply}"
+                reply = Message(Error(CLIENT_EXCEPTION, reason), reply_to=msg)
+            done[i] = _wire_roundtrip(reply) if self.serialize else reply
+        self.cohort_trained += len(done)
+        if outcome.path != self.cohort_path:  # the run says which path it took, when it changes
+            log(INFO, "local engine: %d train messages, %s", len(picked), outcome.path)
+            self.cohort_path = outcome.path
+        return done
 
     def _reply(self, msg: Message, context: Context) -> Message | None:
         if self.serialize:
@@ -217,6 +272,7 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps) -> None:
         spill_dir=Path(cfg.output_dir) if cfg.get("output_dir") else None,
         state_memory_bytes=_state_memory_bytes(cfg),
         announces_partitions=True,  # our ClientApp answers `query.info` with its node config
+        cohort=cfg.engine.get("cohort", "off") == "auto",
     )
     context = Context(
         run_id=grid.run.run_id,

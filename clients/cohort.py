@@ -1,0 +1,347 @@
+"""Cohort training: K clients of one model architecture trained as one batched program.
+
+`clients.trainer.train_locally` trains one client at a time; for a small model a step is
+a few hundred FLOPs per sample and its cost is dispatch, not arithmetic. Here the K
+clients' weights are stacked on a leading client axis and every step is one call of
+`torch.func.vmap` over `torch.func.functional_call` (the forward of every client at
+once), one backward of the sum of the clients' losses (independent clients: each gets its
+own gradient) and one batched SGD update. (Not `torch.func.grad`: it imports
+torch._dynamo, 1.5–2 s, on first use, and costs more per call.) What each client would
+have done alone is kept:
+
+- **Its batches.** Each client's index batches come from `clients.trainer._batches` with
+  a generator seeded by its own `TrainSettings.seed`: the very batches the per-client path
+  draws, its `batch_size` hook included. Ragged batches (a client's last one, LB-BSP-like
+  sizes) are padded and masked: padded rows weigh 0 and the loss is divided by the
+  client's own batch size, as `F.cross_entropy`'s mean is.
+- **Its step count.** Clients are ordered by their number of steps (most first), so the
+  clients still training at step s are a prefix of the stack and each step slices it
+  without a copy; a client that has finished is simply no longer in the slice.
+- **Its optimizer.** SGD with the run's momentum and weight decay, each client's own
+  learning rate per step (its `lr` hook), and FedProx's proximal pull μ·(w − w_anchor)
+  when the hooks declare one (`ClientHooks.proximal_pull`), in `torch.optim.SGD`'s order:
+  pull, weight decay, momentum, step.
+- **Its metrics.** steps, samples and the sample-weighted mean loss per client, so the
+  virtual clock charges each client its own time.
+
+Only hooks that declare `cohort_safe` run here (`fl.strategy.client.ClientHooks`), and
+only models without buffers (no BatchNorm running statistics) or dropout: a module whose
+forward depends on more than its parameters and input would not batch faithfully.
+
+Numbers: batched kernels sum in another order than one client's kernels, so the result is
+not bit-identical; `STEP_TOLERANCE` is the documented bound per step on the weights,
+`DRIFT_TOLERANCE` in norm over a round, and `METRIC_TOLERANCE` on a short run's metrics
+(tests/test_cohort.py and experiments/gpu_check.py check them against the per-client
+path). A ReLU or max-pool input at a tie is the exception to the first two (see there).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.nn.utils.rnn import pad_sequence
+
+from clients.trainer import LocalResult, TrainSettings, _batches
+from fl.strategy.client import ClientHooks
+from fl.wire.records import Layout
+
+__all__ = [
+    "DRIFT_TOLERANCE",
+    "METRIC_TOLERANCE",
+    "STEP_TOLERANCE",
+    "Member",
+    "cohort_unfit",
+    "train_cohort",
+]
+
+# Per local step, |w_cohort − w_alone| ≤ atol + rtol·|w_alone| on every weight (float32):
+# the two paths differ only in the summation order of batched kernels.
+STEP_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+# The same per client over a whole round, in norm: ‖w_cohort − w_alone‖₂ ≤ this ·
+# ‖w_alone − w_start‖₂; what experiments/gpu_check.py holds the MLP cohort on CUDA to.
+# Neither bound holds where an input of a ReLU or max-pool sits at a tie: another summation
+# order may flip it, and that client's round then differs by a discrete step (1 of 200
+# LeNet-5 clients on shapes: one weight off by 1e-5 after a step, 3.8e-3 of its round's
+# update in norm; the other 199 within 2e-8). Bit-identity is not expected either way.
+DRIFT_TOLERANCE = 1e-4
+# A short run's metrics (accuracy, loss, diagnostics) with engine.cohort=auto against the
+# per-client run's: relative and absolute. Counts (steps, samples, bytes, virtual time) are
+# equal: every client takes its own batches.
+METRIC_TOLERANCE = {"rel": 1e-4, "abs": 1e-6}
+
+_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
+
+
+@dataclass
+class Member:
+    """One client of a cohort: its starting weights (a flat float32 vector in `Layout`
+    order, after its hooks' `load` and `begin`), its data, its hooks and its settings."""
+
+    start: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    hooks: ClientHooks
+    settings: TrainSettings
+
+
+def cohort_unfit(model: nn.Module) -> str | None:
+    """Why `model` cannot be trained as a cohort (buffers, dropout), or None."""
+    if any(True for _ in model.buffers()):
+        return "the model has buffers (BatchNorm statistics)"
+    if any(isinstance(m, _STATEFUL) for m in model.modules()):
+        return "the model has dropout or normalisation layers"
+    return None
+
+
+def _stack_params(
+    layout: Layout, flat: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """(K, D) flat weights -> {name: (K, *shape)} on `device`, in one transfer."""
+    flat = flat.to(device)
+    k, out, offset = flat.shape[0], {}, 0
+    for name, shape, size in zip(layout.names, layout.shapes, layout.sizes, strict=True):
+        out[name] = flat[:, offset : offset + size].reshape(k, *shape).contiguous()
+        offset += size
+    return out
+
+
+class _Plan:
+    """Every client's batches, ordered by step count: what each step trains on."""
+
+    def __init__(self, members: Sequence[Member], device: torch.device) -> None:
+        batches = [
+            list(
+                _batches(
+                    len(m.y), torch.Generator().manual_seed(m.settings.seed), m.settings, m.hooks
+                )
+            )
+            for m in members
+        ]
+        steps = torch.tensor([len(b) for b in batches])
+        # most steps first (stable): the clients still training at step s are a prefix
+        self.order = sorted(range(len(members)), key=lambda i: -len(batches[i]))
+        self.batches = [batches[i] for i in self.order]
+        self.steps = steps[self.order]
+        self.active = [int((self.steps > s).sum()) for s in range(int(self.steps.max()))]
+        lengths = [len(m.y) for m in members]
+        offsets = torch.tensor([0, *lengths]).cumsum(0)[:-1][self.order]
+        # every step's padded rows of the cohort's data, and its batch sizes, made on the
+        # CPU and moved to `device` in one transfer
+        rows, sizes = [], []
+        for s, active in enumerate(self.active):
+            parts = [self.batches[i][s] for i in range(active)]
+            sizes.append(torch.tensor([len(part) for part in parts]))
+            rows.append(pad_sequence(parts, batch_first=True) + offsets[:active, None])
+        shapes = [r.shape for r in rows]
+        flat = torch.cat([r.reshape(-1) for r in rows] + sizes).to(device)
+        cut = [r.numel() for r in rows] + [len(z) for z in sizes]
+        pieces = torch.split(flat, cut)
+        self.rows = [p.view(shape) for p, shape in zip(pieces[: len(rows)], shapes, strict=True)]
+        self.sizes = list(pieces[len(rows) :])
+
+    def step(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step s's rows of the cohort's data (active, padded width), mask and sizes."""
+        rows, sizes = self.rows[s], self.sizes[s]
+        mask = torch.arange(rows.shape[1], device=rows.device) < sizes[:, None]
+        return rows, mask, sizes
+
+
+# (stacked weights of the active clients, their rows (n, B, *input), labels (n, B), mask
+# (n, B), batch sizes (n,)) -> (each weight's gradient, each client's batch loss)
+Gradients = Callable[
+    [dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[dict[str, torch.Tensor], torch.Tensor],
+]
+
+
+def _gradients(model: nn.Module) -> Gradients:
+    """Every active client's loss gradient in one program.
+
+    A Sequential of Flatten, Linear and ReLU layers (logreg, the MLP) is a chain of grouped
+    matmuls whose backward is written out here (a few kernels per layer, no autograd
+    graph); any other model runs `torch.func.vmap` over `functional_call` and one autograd
+    backward of the clients' summed losses (independent clients: each gets its own
+    gradient), which costs more dispatch per step.
+    """
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else []
+    grouped = bool(layers) and all(
+        type(layer) in (nn.Linear, nn.ReLU)
+        or (type(layer) is nn.Flatten and (layer.start_dim, layer.end_dim) == (1, -1))
+        for layer in layers
+    )
+    if grouped:
+        return functools.partial(_grouped_mlp, [name for name, _ in model.named_children()], layers)
+    return functools.partial(_vmap_autograd, vmap(functools.partial(functional_call, model)))
+
+
+def _batch_losses(
+    log_probs: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, sizes: torch.Tensor
+) -> torch.Tensor:
+    """Each client's mean cross-entropy over its own batch (padded rows weigh 0)."""
+    picked = log_probs.gather(2, y.unsqueeze(2)).squeeze(2)
+    return -(picked * mask).sum(1) / sizes
+
+
+def _vmap_autograd(
+    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    params = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    losses = _batch_losses(torch.log_softmax(forward(params, x), dim=2), y, mask, sizes)
+    losses.sum().backward()
+    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+
+
+def _grouped_mlp(
+    names: list[str],
+    layers: list[nn.Module],
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    inputs: list[tuple[str, torch.Tensor]] = []  # (layer name, its input) per Linear
+    gates: dict[str, torch.Tensor] = {}  # the ReLU after a Linear: where it let through
+    last = ""
+    for name, layer in zip(names, layers, strict=True):
+        if isinstance(layer, nn.Flatten):
+            x = x.flatten(2)
+        elif isinstance(layer, nn.Linear):
+            inputs.append((name, x))
+            bias = weights.get(f"{name}.bias")
+            weight = weights[f"{name}.weight"].transpose(1, 2)
+            x = (
+                torch.bmm(x, weight)
+                if bias is None
+                else torch.baddbmm(bias.unsqueeze(1), x, weight)
+            )
+            last = name
+        else:
+            gates[last] = x > 0
+            x = torch.relu(x)
+    log_probs = torch.log_softmax(x, dim=2)
+    losses = _batch_losses(log_probs, y, mask, sizes)
+    # d(mean CE)/d logits = (softmax − one-hot) / batch size, 0 on padded rows
+    delta = log_probs.exp()
+    delta.scatter_add_(2, y.unsqueeze(2), torch.full_like(delta[..., :1], -1.0))
+    delta *= (mask / sizes[:, None]).unsqueeze(2)
+    grads: dict[str, torch.Tensor] = {}
+    for depth in range(len(inputs) - 1, -1, -1):
+        name, given = inputs[depth]
+        if name in gates:
+            delta = delta * gates[name]
+        grads[f"{name}.weight"] = torch.bmm(delta.transpose(1, 2), given)
+        if f"{name}.bias" in weights:
+            grads[f"{name}.bias"] = delta.sum(1)
+        if depth:
+            delta = torch.bmm(delta, weights[f"{name}.weight"])
+    return grads, losses
+
+
+class _Rates:
+    """Each step's learning rate per client (plan order): the run's, or its `lr` hook's."""
+
+    def __init__(self, members: Sequence[Member], order: list[int], device: torch.device):
+        self.base = torch.tensor([members[i].settings.lr for i in order], device=device)
+        self.hooked = [
+            (rank, members[i].hooks, members[i].settings.lr)
+            for rank, i in enumerate(order)
+            if type(members[i].hooks).lr is not ClientHooks.lr
+        ]
+
+    def at(self, step: int, active: int) -> torch.Tensor:
+        if not self.hooked:
+            return self.base[:active]
+        rates = self.base[:active].clone()
+        for rank, hooks, base in self.hooked:
+            if rank < active:  # called once per step the client takes, as alone
+                rates[rank] = hooks.lr(step, base)
+        return rates
+
+
+def train_cohort(
+    model: nn.Module, layout: Layout, members: Sequence[Member], device: torch.device
+) -> tuple[torch.Tensor, list[LocalResult]]:
+    """Train every member from its `start` as `train_locally` would, all at once.
+
+    `model` gives the architecture (its own weights are not used or changed). Returns the
+    trained weights, one flat float32 CPU row per member in the order given, and each
+    member's `LocalResult`. Members must share the momentum and weight decay (one run's).
+    """
+    if not members:
+        return torch.empty(0, layout.numel), []
+    reason = cohort_unfit(model)
+    if reason is not None:
+        raise ValueError(f"cannot train a cohort: {reason}")
+    for m in members:
+        if len(m.y) == 0:
+            raise ValueError("this client has no training data")
+        if not type(m.hooks).cohort_safe:
+            raise ValueError(f"{type(m.hooks).__name__} does not declare cohort_safe")
+    momentum, decay = members[0].settings.momentum, members[0].settings.weight_decay
+    if any((m.settings.momentum, m.settings.weight_decay) != (momentum, decay) for m in members):
+        raise ValueError("a cohort shares one momentum and one weight decay")
+    plan = _Plan(members, device)
+    order = plan.order
+    x = torch.cat([m.x for m in members]).to(device)
+    y = torch.cat([m.y for m in members]).to(device)
+    weights = _stack_params(layout, torch.stack([members[i].start for i in order]), device)
+    pulls = [members[i].hooks.proximal_pull() for i in order]
+    mu = torch.tensor([p[0] if p else 0.0 for p in pulls], device=device)
+    anchors = None
+    if any(p is not None for p in pulls):
+        rows = [
+            torch.cat([a.detach().reshape(-1).float().cpu() for a in p[1]])
+            if p
+            else members[i].start
+            for p, i in zip(pulls, order, strict=True)
+        ]
+        anchors = _stack_params(layout, torch.stack(rows), device)
+    buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
+    rates = _Rates(members, order, device)
+
+    gradients = _gradients(model)
+    loss_sum = torch.zeros(len(members), device=device)
+    model.train()
+    for s, active in enumerate(plan.active):
+        rows, mask, sizes = plan.step(s)
+        params = {n: w[:active] for n, w in weights.items()}
+        grads, losses = gradients(params, x[rows], y[rows], mask.to(x.dtype), sizes)
+        lr = rates.at(s, active)
+        with torch.no_grad():
+            for name, stacked in weights.items():
+                w, g = stacked[:active], grads[name]  # a weight the loss does not reach: KeyError
+                view = (active,) + (1,) * (w.dim() - 1)
+                if anchors is not None:
+                    g = g + mu[:active].view(view) * (w - anchors[name][:active])
+                if decay:
+                    g = g + decay * w
+                if momentum:
+                    buf = buffers[name][:active]
+                    if s == 0:
+                        buf.copy_(g)
+                    else:
+                        buf.mul_(momentum).add_(g)
+                    g = buf
+                w.addcmul_(lr.view(view), g, value=-1)
+            loss_sum[:active] += losses * sizes
+    trained = torch.cat([w.reshape(len(members), -1) for w in weights.values()], dim=1).cpu()
+    samples = [sum(len(b) for b in batches) for batches in plan.batches]
+    means = (loss_sum.cpu() / torch.tensor(samples).clamp(min=1)).tolist()
+    out_rows = torch.empty_like(trained)
+    results: list[LocalResult | None] = [None] * len(members)
+    for rank, i in enumerate(order):
+        out_rows[i] = trained[rank]
+        results[i] = LocalResult(int(plan.steps[rank]), samples[rank], means[rank])
+        members[i].hooks.time.samples = samples[rank]
+    return out_rows, [r for r in results if r is not None]
