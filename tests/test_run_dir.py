@@ -270,6 +270,13 @@ def _nan_model(saved):
     saved["arrays"][name] = torch.full_like(saved["arrays"][name], float("nan"))
 
 
+def _apf_state(saved) -> dict:
+    """APF's own state attributes in a checkpoint (not the kernel's sync and nonces)."""
+    from strategies.apf import APFServer
+
+    return {k: saved["strategy"][k] for k in APFServer.state_attributes}
+
+
 def _wrong_shape(saved):
     name = next(iter(saved["arrays"]))
     saved["arrays"][name] = torch.zeros(3)
@@ -283,6 +290,10 @@ TAMPERED = {
     "wrong tensor shape": (_wrong_shape, "is not torch.float32"),
     "bad RNG state": (lambda s: s["rng"].update(torch=torch.zeros(3)), "does not fit this run"),
     "strategy state without its sync": (lambda s: s["strategy"].pop("sync"), "does not fit"),
+    "strategy state of the wrong kind": (
+        lambda s: s["strategy"].update({next(iter(_apf_state(s))): "junk"}),
+        "is str, not",
+    ),
 }
 
 
