@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -154,7 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "worker":
         host, port = args.master.rsplit(":", 1)
         worker_main(host, int(port), args.rank, args.ranks, args.backend, args.rounds, args.device)
-        return 0
+        # Its rounds are served and its group destroyed: leave without the interpreter's
+        # teardown, where torch's store and gloo threads can still abort the process
+        # ("terminate called without an active exception", seen once in a suite run),
+        # which rank 0 would read as a failed round.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if args.command == "workers":
         return _start_workers(args)
     result = (

@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fl.common.checkpointable import state_types
+from fl.common.checkpointable import check_state_kind
 from fl.common.seeding import derive_seed
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
@@ -514,7 +514,7 @@ class ServerStrategy(FedAvg):
         (a checkpoint is untrusted: a dict stays a dict, a tensor a tensor, a number a
         number), checked before any is set, so a bad one changes nothing."""
         for name in self.state_attributes:
-            _check_state_kind(name, getattr(self, name, None), state[name])
+            check_state_kind(name, getattr(self, name, None), state[name])
         for name in self.state_attributes:
             setattr(self, name, state[name])
         if self.sync is not None:
@@ -525,24 +525,3 @@ class ServerStrategy(FedAvg):
         ):
             raise ValueError("strategy state: nonces are not node -> int")
         self._nonces = dict(nonces)
-
-
-def _check_state_kind(name: str, fresh: Any, saved: Any) -> None:
-    """`saved` may replace `fresh` (a strategy attribute as built): same container or
-    tensor kind, a real number for a number. An attribute that starts None takes None, a
-    number or a state class (`fl.common.checkpointable`), whose fields its strategy checks."""
-    if fresh is None:
-        number = isinstance(saved, int | float) and not isinstance(saved, bool)
-        if saved is not None and not number and not isinstance(saved, tuple(state_types())):
-            raise ValueError(f"strategy state: {name} is {type(saved).__name__}, not a state")
-        return
-    if isinstance(fresh, bool):
-        ok = isinstance(saved, bool)
-    elif isinstance(fresh, int | float):
-        ok = isinstance(saved, int | float) and not isinstance(saved, bool)
-    else:
-        ok = isinstance(saved, type(fresh))
-    if not ok:
-        raise ValueError(
-            f"strategy state: {name} is {type(saved).__name__}, not {type(fresh).__name__}"
-        )
