@@ -1,6 +1,7 @@
 """LB-BSP vs BSP in its three settings (spec algorithms_b.md §3.5): CPU, GPU model, FL.
 
     python experiments/lbbsp_table.py [--fl SWEEP] [--json OUT] [--iterations 300]
+    python experiments/lbbsp_table.py --fl-seeds SWEEP [SWEEP ...]   # FL ratios over seeds
 
 CPU cluster (simulated speeds, real training): 8 workers with speeds v_i = v_max,i·(1 - load)
 under an AR(1) background load (ρ = 0.9) with bursts; CPU and memory usage (load plus
@@ -252,8 +253,12 @@ def _reached(rows: list[dict[str, Any]], level: float) -> dict[str, Any] | None:
     )
 
 
-def fl_variant(sweep: Path) -> dict[str, Any]:
-    arms = dict(_arm(job) for job in sorted(p for p in sweep.iterdir() if p.name.isdigit()))
+def fl_variant(sweep: Path | list[Path]) -> dict[str, Any]:
+    """The FL table of one seed: a sweep directory, or the job directories of one seed."""
+    jobs = (
+        sweep if isinstance(sweep, list) else sorted(p for p in sweep.iterdir() if p.name.isdigit())
+    )
+    arms = dict(_arm(job) for job in jobs)
     reference = ("none", "samples")  # BSP: every client B_0, batch-weighted
     if reference not in arms:
         raise SystemExit(f"{sweep}: no BSP arm (strategy.predictor=none weight_by=samples)")
@@ -277,6 +282,45 @@ def fl_variant(sweep: Path) -> dict[str, Any]:
             if arm[key] is not None and base[key]:
                 arm[f"{key}_vs_bsp"] = arm[key] / base[key]
     return out
+
+
+def _seed_of(job: Path) -> int:
+    config = yaml.safe_load((job / "config.yaml").read_text())
+    return int(config["seed"])
+
+
+def fl_over_seeds(sweeps: list[Path]) -> str:
+    """Each arm's time to 95 % and 98 % of its seed's BSP plateau, as a ratio to that
+    seed's BSP, per seed and as the mean with its 95 % t-interval over seeds."""
+    from fl.run.intervals import interval
+
+    by_seed: dict[int, list[Path]] = {}
+    for sweep in sweeps:
+        for job in sorted(p for p in sweep.iterdir() if (p / "summary.json").exists()):
+            by_seed.setdefault(_seed_of(job), []).append(job)
+    tables = {seed: fl_variant(jobs) for seed, jobs in sorted(by_seed.items())}
+    seeds = list(tables)
+    lines = [
+        f"Seeds {', '.join(map(str, seeds))}; ratios to the same seed's BSP, "
+        "mean [95 % t-interval]:",
+        "",
+        "| arm | time to 95 % vs BSP (per seed) | mean [interval] "
+        "| time to 98 % vs BSP | mean [interval] |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in tables[seeds[0]]["arms"]:
+        cells = [arm]
+        for key in ("time_to_0.95_vs_bsp", "time_to_0.98_vs_bsp"):
+            values = [tables[s]["arms"][arm].get(key) for s in seeds]
+            known = [v for v in values if v is not None]
+            cells.append(" / ".join("—" if v is None else f"{v:.2f}" for v in values))
+            if len(known) == len(values) and len(known) > 1:
+                mean, low, high = interval(known)
+                cells.append(f"{mean:.2f} [{low:.2f}, {high:.2f}]")
+            else:
+                cells.append("—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -357,7 +401,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--no-processes", action="store_true", help="skip the gloo check")
+    parser.add_argument(
+        "--fl-seeds",
+        type=Path,
+        nargs="+",
+        metavar="SWEEP",
+        help="only the FL ratios over seeds, from these sweep directories (any seeds)",
+    )
     args = parser.parse_args()
+    if args.fl_seeds:
+        print(fl_over_seeds(args.fl_seeds))
+        return
     torch.set_num_threads(1)
     results: dict[str, Any] = {"cpu": cpu_variant(args.iterations), "gpu": gpu_variant(400)}
     if not args.no_processes:
