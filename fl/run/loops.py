@@ -40,7 +40,7 @@ import torch
 from flwr.app import Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 from omegaconf import DictConfig, OmegaConf
 
-from fl.common.config import check_choice, check_int, check_number, require
+from fl.common.config import check_choice, check_int, check_number, is_finite, require
 from fl.common.errors import RunError
 from fl.mechanisms.roundrobin import RoundRobin
 from fl.run.arrivals import RealArrivals
@@ -484,8 +484,7 @@ class RoundDriver:
 
 def _span(value: Any) -> float | None:
     """A checkpointed compute span: a finite, non-negative number, or None."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
-    return float(value) if ok else None
+    return float(value) if is_finite(value) and value >= 0 else None
 
 
 class WorkBounds(NamedTuple):

@@ -116,26 +116,25 @@ class SweepCallback(Callback):
             return
         if OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:
             return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        with _locked(sweep_dir):
-            manifest = _read_manifest(sweep_dir)
-            arms = manifest.get("arms")
-            run_dirs = find_runs(sweep_dir)
-            if arms is None or len(run_dirs) < arms or manifest.get("compared") == len(run_dirs):
-                return
-            _compare(config, sweep_dir, run_dirs)
-            _write_manifest(sweep_dir, {**manifest, "compared": len(run_dirs)})
+        _compare_once(config, Path(config.hydra.sweep.dir), all_arms=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """The comparison of the arms that finished, unless the last one already wrote it."""
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
+        if sweep_dir.is_dir():
+            _compare_once(config, sweep_dir, all_arms=False)
+
+
+def _compare_once(config: DictConfig, sweep_dir: Path, *, all_arms: bool) -> None:
+    """Under the sweep's lock, compare its finished arms unless these were compared already;
+    with `all_arms`, only once every arm `sweep.json` counts has finished."""
+    with _locked(sweep_dir):
+        manifest = _read_manifest(sweep_dir)
+        run_dirs = find_runs(sweep_dir)
+        if not run_dirs or manifest.get("compared") == len(run_dirs):
             return
-        with _locked(sweep_dir):
-            run_dirs = find_runs(sweep_dir)
-            manifest = _read_manifest(sweep_dir)
-            if not run_dirs or manifest.get("compared") == len(run_dirs):
-                return
-            _compare(config, sweep_dir, run_dirs)
-            if manifest:
-                _write_manifest(sweep_dir, {**manifest, "compared": len(run_dirs)})
+        if all_arms and len(run_dirs) < manifest.get("arms", len(run_dirs) + 1):
+            return
+        _compare(config, sweep_dir, run_dirs)
+        if manifest:
+            _write_manifest(sweep_dir, {**manifest, "compared": len(run_dirs)})
