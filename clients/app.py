@@ -16,7 +16,8 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from omegaconf import DictConfig
 
 from clients.cohort import Member, cohort_unfit
@@ -27,6 +28,13 @@ from fl.common.seeding import derive_seed, pin_torch_threads
 from fl.net.transport import bulk_mod
 from fl.net.transport.offer import OFFER
 from fl.run.apps import CohortClientApp, CohortReplies
+from fl.run.engines.carriers import (
+    is_envelope,
+    member_context,
+    open_envelope,
+    seal_replies,
+    store_member_state,
+)
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime
 from fl.strategy.registry import StrategySpec, get_strategy
@@ -40,6 +48,7 @@ __all__ = [
     "Round",
     "Trainer",
     "app",
+    "carry_cohort",
     "finish_round",
     "prepare_round",
     "train_cohort",
@@ -234,8 +243,35 @@ def train_in_process(
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of local training; the strategy's hooks shape it and encode the reply."""
+    """One round of local training; the strategy's hooks shape it and encode the reply.
+    An envelope (`engine=flower-sim` with `engine.cohort=auto`) is trained as a cohort."""
+    if is_envelope(msg):
+        return carry_cohort(msg, context)
     return train_message(msg, context, train_in_process)
+
+
+def carry_cohort(envelope: Message, context: Context) -> Message:
+    """Train the members an envelope carries (`fl.run.engines.carriers`): as one cohort
+    where `train_cohort` can, the rest one by one as their own nodes would, each with the
+    state this carrier keeps for it; one reply holding theirs."""
+    members = open_envelope(envelope)
+    pairs = [(member.message, member_context(context, member)) for member in members]
+    outcome = train_cohort(pairs)
+    replies: list[Message | None] = []
+    for (msg, member), reply in zip(pairs, outcome.replies, strict=True):
+        if reply is None:
+            try:
+                reply = train_message(msg, member, train_in_process)
+            except Exception as err:  # this member fails alone, as it would on its node
+                reply = err
+        if isinstance(reply, BaseException):
+            reply = Message(
+                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(reply).__name__}: {reply}"),
+                reply_to=msg,
+            )
+        store_member_state(context, member)
+        replies.append(reply)
+    return seal_replies(envelope, replies, outcome.path)
 
 
 def _cohort_refusal(pairs: Sequence[tuple[Message, Context]]) -> str | None:

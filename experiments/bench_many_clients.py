@@ -1,5 +1,7 @@
 """Many-client FedAvg benchmark: plain PyTorch loop vs our local engine (client by client,
-and as one cohort: `engine.cohort=auto`) vs vanilla Flower."""
+and as one cohort: `engine.cohort=auto`) vs vanilla Flower; with `--arms`, also ours on
+Flower's Ray simulation like vanilla Flower's arm (`sim`: a message per node; `sim_cohort`:
+`engine.cohort=auto`, a round as two envelopes, each trained as one cohort by one actor)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = ("plain", "ours", "cohort", "flower")
-OURS = ("ours", "cohort")  # fl-run arms; cohort: engine.cohort=auto (clients/cohort.py)
+ARMS = ("plain", "ours", "cohort", "flower", "sim", "sim_cohort")
+DEFAULT_ARMS = ("plain", "ours", "cohort", "flower")
+OURS = ("ours", "cohort", "sim", "sim_cohort")  # fl-run arms; *cohort: engine.cohort=auto
+ON_RAY = ("flower", "sim", "sim_cohort")  # 2 Ray actors, in a loopback-only namespace
 SEED = 0  # conf/config.yaml's seed
 DIM, NUM_CLASSES, SAMPLES_PER_DEVICE, HIDDEN = 20, 2, 60, (32,)
 BATCH_SIZE, LOCAL_EPOCHS = 16, 1
@@ -359,12 +363,13 @@ def measure(run: Run, env: dict[str, str], log_path: Path, timeout_s: float) -> 
 
 
 def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path) -> list[str]:
-    """The command line of one arm; the flower arm runs in a loopback-only namespace."""
+    """The command line of one arm; arms on Ray run in a loopback-only namespace."""
     python = sys.executable
     if arm in OURS:
-        return [
+        command = [
             str(Path(python).parent / "fl-run"),
-            f"engine.cohort={'auto' if arm == 'cohort' else 'off'}",
+            *(["engine=flower-sim"] if arm in ON_RAY else []),
+            f"engine.cohort={'auto' if arm.endswith('cohort') else 'off'}",
             "task=synthetic",
             "partition=natural",
             f"num_clients={clients}",
@@ -379,6 +384,7 @@ def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path
             "progress=false",
             f"hydra.run.dir={run_dir}",
         ]
+        return _in_netns(command) if arm in ON_RAY else command
     worker = [
         python,
         str(Path(__file__).resolve()),
@@ -391,10 +397,13 @@ def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path
         "--result",
         str(result),
     ]
-    if arm == "flower":
-        quoted = " ".join(f"'{a}'" for a in worker)
-        return ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {quoted}"]
-    return worker
+    return _in_netns(worker) if arm in ON_RAY else worker
+
+
+def _in_netns(command: list[str]) -> list[str]:
+    """`command` in a loopback-only network namespace (Ray probes a public DNS address)."""
+    quoted = " ".join(f"'{a}'" for a in command)
+    return ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {quoted}"]
 
 
 def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> Run:
@@ -472,7 +481,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
     """The goals, checked against the medians: ours ≤ 1.5× plain, < 1 GB, ≥ 10× Flower;
     the cohort arm ≤ 0.5× plain's rounds (in-process), ≤ 1 GB, ≥ 10× Flower."""
-    lines = _cohort_verdicts(summary)
+    lines = _cohort_verdicts(summary) + _ray_ratios(summary)
     ours = summary.get("ours")
     if ours is None:
         return lines
@@ -519,6 +528,16 @@ def _cohort_verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _ray_ratios(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Ours on Flower's Ray simulation against vanilla Flower on it, both with 2 actors."""
+    lines = []
+    for faster, slower in (("sim", "flower"), ("sim_cohort", "flower"), ("sim_cohort", "sim")):
+        if faster in summary and slower in summary:
+            ratio = summary[slower]["wall_s"] / summary[faster]["wall_s"]
+            lines.append(f"{faster} vs {slower}: {ratio:.1f}× faster (wall, medians)")
+    return lines
+
+
 def _ok(passed: bool) -> str:
     return "met" if passed else "MISSED"
 
@@ -542,7 +561,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of arms")
+    parser.add_argument(
+        "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ARMS)}"
+    )
     parser.add_argument(
         "--out", type=Path, default=REPO / "experiments/out/bench_many_clients.json"
     )

@@ -37,6 +37,7 @@ from fl.run.checkpoint import (
     save_checkpoint,
 )
 from fl.run.console import RoundReporter
+from fl.run.engines.carriers import carrier_grid
 from fl.run.loops import Landed, LoopSettings, RoundDriver, WorkBounds, loop_settings
 from fl.run.tracking import RunLog, clear_run, holds_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
@@ -153,6 +154,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     aggregation_s = float(system.pop("aggregation_s_per_update", 0.0))
     clock = clock_from_config(system, cfg.num_clients, cfg.seed)
     settings = loop_settings(cfg)
+    grid = carrier_grid(grid, cfg, partitions, settings.arrival)  # flower-sim cohorts
     progress, state = Progress(), task.new_model().state_dict()
     rows: list[dict[str, Any]] = []
     if saved is not None:

@@ -9,6 +9,8 @@ import pytest
 from conftest import OFFLINE, REPO, fl_env, fl_run_cmd, read_metrics, run_fl
 from netns import in_netns, require_netns
 
+from clients.cohort import METRIC_TOLERANCE
+
 pytestmark = pytest.mark.integration
 
 RUN = ["num_clients=4", "clients_per_round=4", "rounds=2", "task=digits", "local_epochs=1"]
@@ -65,6 +67,23 @@ def test_flower_sim_semi_async_matches_local_engine(tmp_path):
     assert max(r["staleness_max"] for r in sim) >= 1
     for key in ("accuracy", "loss", "bytes_up", "bytes_down", "virtual_time_s", "staleness_max"):
         assert [r[key] for r in sim] == [r[key] for r in local], key
+
+
+def test_flower_sim_trains_cohorts_on_carrier_actors(tmp_path):
+    # engine.cohort=auto: each round's train messages travel as two envelopes, each trained
+    # as one cohort by one Ray actor; FedSU's clients keep state (error feedback) between
+    # rounds, which lives with their carrier. Same metrics as client by client, within the
+    # cohort's documented tolerance; counts, bytes and virtual time exactly.
+    run = ["num_clients=8", "clients_per_round=8", "rounds=3", "strategy=fedsu"]
+    proc = _sim(tmp_path / "sim", *run, "engine.cohort=auto")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "8 train messages on carriers, cohort: 4 clients of fedsu" in proc.stdout
+    run_fl(tmp_path / "local", *run, "engine=local")
+    sim, local = read_metrics(tmp_path / "sim"), read_metrics(tmp_path / "local")
+    for key in ("bytes_up", "bytes_down", "virtual_time_s", "replies"):
+        assert [r[key] for r in sim] == [r[key] for r in local], key
+    for key in ("accuracy", "loss"):
+        assert [r[key] for r in sim] == pytest.approx([r[key] for r in local], **METRIC_TOLERANCE)
 
 
 @pytest.mark.slow  # about 15 s of Ray start-up; the one-line refusal is tested on the local engine

@@ -13,7 +13,7 @@ from fl.run.apps import Apps
 __all__ = ["ENGINES", "check_engine", "run_engine"]
 
 ENGINES = ("local", "flower-sim", "deployment")
-COHORT_CHOICES = ("auto", "off")  # engine.cohort of the local engine
+COHORT_CHOICES = ("auto", "off")  # engine.cohort of the local and flower-sim engines
 
 
 def run_engine(cfg: DictConfig, run_config: dict[str, Any], apps: Apps) -> None:
@@ -57,3 +57,6 @@ def check_engine(cfg: DictConfig) -> None:
     if cfg.engine.name == "flower-sim":
         check_number(cfg, "engine.num_cpus_per_client", 0)
         check_number(cfg, "engine.num_gpus_per_client", 0)
+        if OmegaConf.select(cfg, "engine.cohort") is not None:  # absent in older runs: off
+            check_choice(cfg, "engine.cohort", COHORT_CHOICES)
+            check_int(cfg, "engine.cohorts", 1)
