@@ -399,6 +399,7 @@ MECHANICS: dict[str, Callable[[list[Arm]], None]] = {
     "asfl": _semi_async_quota,
     "r2sp": _r2sp_schedule,
     "lbbsp": _lbbsp_batches,
+    "lbbsp_uncapped": _lbbsp_batches,
     "lrd2d": _lrd2d_decays,
     "lrd2d_headroom": _lrd2d_partial,
     "grafting": _grafts_report,
