@@ -98,6 +98,25 @@ def test_seed_sweep_adds_the_mean_and_its_interval_per_arm(tmp_path):
     assert "| strategy=apf | 2 | 0.6500 [0.0147, 1.2853] |" in table
 
 
+def test_arms_are_paired_with_the_reference_seed_by_seed(tmp_path):
+    _seed_sweep(tmp_path)
+    times = {"0": 10.0, "1": 20.0, "2": 5.0, "3": 12.0}  # apf/fedavg: 0.5 and 0.6
+    for job, time_s in times.items():
+        path = tmp_path / job / "summary.json"
+        summary = json.loads(path.read_text())
+        summary |= {"target_accuracy": 0.5, "rounds_to_target": 1, "time_to_target_s": time_s}
+        path.write_text(json.dumps(summary))
+    table = compare_runs(find_runs(tmp_path), tmp_path, "t", plots=False)
+    assert "Paired with `strategy=fedavg` seed by seed" in table
+    # Δ accuracy -0.2 on both seeds (no spread); time ratios 0.5, 0.6: 0.55 ± 12.706·0.0707/√2
+    assert "| strategy=apf | 2 | -0.2000 [-0.2000, -0.2000] | 1.000 [1.000, 1.000] " in table
+    assert "| 0.550 [-0.085, 1.185] (2 seeds) |" in table
+    other = compare_runs(find_runs(tmp_path), tmp_path, "t", plots=False, reference="strategy=apf")
+    assert "| strategy=fedavg | 2 | 0.2000 [0.2000, 0.2000] |" in other
+    with pytest.raises(ValueError, match="reference arm 'nope'"):
+        compare_runs(find_runs(tmp_path), tmp_path, "t", plots=False, reference="nope")
+
+
 def test_the_interval_is_students_t_and_one_seed_has_none():
     assert interval([0.8, 0.9]) == pytest.approx((0.85, 0.85 - 0.63531, 0.85 + 0.63531), abs=1e-5)
     values = [1.0, 2.0, 3.0, 4.0, 5.0]  # s = 1.5811, t(0.975, 4) = 2.7764
@@ -128,7 +147,7 @@ def test_cli_expands_a_sweep_dir_and_runs(tmp_path, capsys):
     (tmp_path / "sweep" / "4").mkdir()  # a job that wrote nothing is no run
     assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out"), "--title", "T"]) == 0
     text = (tmp_path / "out" / "comparison.md").read_text()
-    assert text.startswith("# T\n") and text.count("| strategy=") == 6  # 4 runs, 2 arms
+    assert text.startswith("# T\n") and text.count("| strategy=") == 7  # 4 runs, 2 arms, 1 pair
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 0
     runs = [str(tmp_path / "sweep" / "0"), str(tmp_path / "sweep" / "3")]
     assert main([*runs, "--out", str(tmp_path / "two")]) == 0

@@ -103,6 +103,7 @@ def test_multirun_sweep_runs_every_combination(tmp_path):
     for label in ("fedavg seed=0", "fedavg seed=1", "fedprox seed=0", "fedprox seed=1"):
         assert f"| strategy={label} | 0." in text
     assert re.search(r"\| strategy=fedprox \| 2 \| 0\.\d{4} \[-?\d\.\d{4}, \d\.\d{4}\] \|", text)
+    assert "Paired with `strategy=fedavg` seed by seed" in text  # and fedprox's Δ and ratios
     assert (tmp_path / "comparison.png").stat().st_size > 0
     assert "comparison written to" in proc.stdout
 

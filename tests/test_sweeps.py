@@ -225,7 +225,7 @@ def test_a_tuned_preset_tunes_every_arm_alike_then_compares_them_over_seeds(tmp_
             )
             assert json.loads((run / "summary.json").read_text())["evaluated_on"] == "test"
     assert "| fedavg |" in (tmp_path / "tuning.md").read_text()
-    assert len((tmp_path / "comparison.md").read_text().split("| strategy=")) == 1 + 4 + 2
+    assert len((tmp_path / "comparison.md").read_text().split("| strategy=")) == 1 + 4 + 2 + 1
 
     before = {p: p.read_bytes() for p in tmp_path.rglob("metrics.jsonl")}
     again = python_run(command, timeout=600)  # the same command resumes: nothing to run

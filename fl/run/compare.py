@@ -4,7 +4,11 @@ Every Hydra multirun ends with one (`fl.run.sweep.SweepCallback`, whatever the l
 `comparison.md`, `comparison.png` and, where the runs report them, plots of strategy
 diagnostics in the sweep directory.
 Runs are labelled by the overrides that differ between them; when the sweep varies
-`seed`, a second table gives each arm's mean ± std over its seeds.
+`seed`, a second table gives each arm's mean over its seeds with its 95 % t-interval, and
+a third pairs each arm with the reference arm seed by seed (the first arm, or
+`--reference`): its difference in final accuracy and its ratios of traffic and of virtual
+time to target, each with its interval, which is what a verdict against a paper's
+"x × the baseline" needs.
 By hand, on sweep or run directories: `python -m fl.run.compare DIR [DIR ...] [--out DIR]`.
 """
 
@@ -170,11 +174,53 @@ def _seed_table(arms: Mapping[str, list[Run]], runs: Sequence[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _seed_of(run: Run) -> str | None:
+    return next((o.partition("=")[2] for o in run.overrides if o.startswith("seed=")), None)
+
+
+def _traffic(summary: dict[str, Any]) -> float:
+    return float(summary["total_bytes_up"] + summary["total_bytes_down"])
+
+
+def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
+    """Each arm against `reference` on the seeds both ran: Δ final accuracy, traffic ×
+    and virtual time to target × (seeds where both reached it), mean [95 % t-interval]."""
+    ref = {_seed_of(r): r.summary for r in arms[reference]}
+    head = ["arm", "seeds paired", "Δ final acc", "traffic ×", "virtual s to target ×"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for arm, members in arms.items():
+        pairs = [(m.summary, ref[seed]) for m in members if (seed := _seed_of(m)) in ref]
+        if arm == reference or not pairs:
+            continue
+        times = [
+            a["time_to_target_s"] / b["time_to_target_s"]
+            for a, b in pairs
+            if a.get("time_to_target_s") is not None and b.get("time_to_target_s")
+        ]
+        lines.append(
+            _row(
+                [
+                    arm,
+                    str(len(pairs)),
+                    _spread([a["final_accuracy"] - b["final_accuracy"] for a, b in pairs], 4),
+                    _spread([_traffic(a) / _traffic(b) for a, b in pairs], 3),
+                    f"{_spread(times, 3)} ({len(times)} seeds)" if times else "-",
+                ]
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
 def compare_runs(
-    run_dirs: Sequence[Path], out_dir: Path, title: str = "", *, plots: bool = True
+    run_dirs: Sequence[Path],
+    out_dir: Path,
+    title: str = "",
+    *,
+    plots: bool = True,
+    reference: str | None = None,
 ) -> str:
     """Write comparison.md and (with `plots`) plots for `run_dirs` into `out_dir`; return the
-    Markdown."""
+    Markdown. `reference`: the arm the paired table compares with (default: the first)."""
     # Here, not at the top: every fl-run loads this module (the sweep callback), few plot.
     from fl.run.plots import plot_diagnostic, plot_runs
 
@@ -188,6 +234,14 @@ def compare_runs(
             "\nMean over seeds [95 % t-interval of the mean]; a verdict against a paper's "
             f"figure is inconclusive while its interval holds it:\n\n{_seed_table(arms, runs)}"
         )
+        ref = reference if reference is not None else next(iter(arms))
+        if ref not in arms:
+            raise ValueError(f"reference arm {ref!r} is none of {sorted(arms)}")
+        if len(arms) > 1:
+            text += (
+                f"\nPaired with `{ref}` seed by seed, mean [95 % t-interval] of the "
+                f"differences and ratios:\n\n{_paired_table(arms, ref)}"
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
     if not plots:
@@ -231,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--title", metavar="TEXT", help="heading of the table and plots (default: --out's name)"
     )
+    parser.add_argument(
+        "--reference",
+        metavar="ARM",
+        help="the arm (its label in the seed table) the paired table compares with "
+        "(default: the first arm)",
+    )
     args = parser.parse_args(argv)
     run_dirs = []
     for path in args.dirs:
@@ -245,7 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dirs += found
     out = args.out or (args.dirs[0] if len(args.dirs) == 1 else Path.cwd())
     title = args.title if args.title is not None else out.resolve().name
-    print(compare_runs(run_dirs, out, title))
+    try:
+        print(compare_runs(run_dirs, out, title, reference=args.reference))
+    except ValueError as err:
+        print(f"fl.run.compare: {err}", file=sys.stderr)
+        return 2
     print(f"comparison written to {out / 'comparison.md'}")
     return 0
 
