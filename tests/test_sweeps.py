@@ -189,6 +189,24 @@ def test_an_optuna_study_tunes_on_validation_and_resumes_from_its_sqlite_file(tm
     assert best["overrides"] == [f"lr={ {'0': 0.1, '2': 0.3}[winner] }"]
 
 
+def test_a_trial_that_misses_the_target_does_not_count_and_does_not_stop_the_study(tmp_path):
+    # time to target: lr 1e-6 never reaches 0.3 (no value, not a crash), lr 0.3 does
+    study = [
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.objective=time_to_target_s",
+        "hydra.sweeper.direction=minimize",
+        "target_accuracy=0.3",
+        "target_window=1",
+        "lr=choice(0.000001,0.3)",
+    ]
+    out = _sweep(tmp_path, *study)
+    assert "trial 0 reported no time_to_target_s" in out
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["overrides"] == ["lr=0.3"] and best["trials_completed"] == 1
+
+
 def test_a_tuned_preset_tunes_every_arm_alike_then_compares_them_over_seeds(tmp_path):
     command = [
         sys.executable,

@@ -231,24 +231,24 @@ class OptunaSweeper(Sweeper):
             ]
             self.validate_batch_is_legal(batch)
             results = self._launch(trials, batch)
-            failed = 0
+            crashed = 0
             for trial, result in zip(trials, results, strict=True):
                 value = self._value(result)
-                if value is None:
-                    failed += 1
-                    study.tell(trial, state=TrialState.FAIL)
-                    log.warning(
-                        "trial %d failed or reported no %s", trial.number, self.settings.objective
-                    )
-                else:
+                if value is not None:
                     study.tell(trial, value)
-            if failed == len(trials) and not any(
+                    continue
+                # no value: the trial does not count towards the best; a run that finished
+                # without the key (time_to_target_s: the target was not reached) is no crash
+                study.tell(trial, state=TrialState.FAIL)
+                if result.status != JobStatus.COMPLETED:
+                    crashed += 1
+                    log.warning("trial %d failed; see its run.log", trial.number)
+                else:
+                    log.info("trial %d reported no %s", trial.number, self.settings.objective)
+            if crashed == len(trials) and not any(
                 t.state == TrialState.COMPLETE for t in study.trials
             ):
-                raise HydraException(
-                    f"every trial so far failed or reported no {self.settings.objective}; "
-                    "see the trials' run.log"
-                )
+                raise HydraException("every trial so far failed; see the trials' run.log")
             left -= len(trials)
         self._write_best(study, fixed, sweep_dir)
 
