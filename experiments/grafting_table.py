@@ -2,8 +2,12 @@
 
 Each arm (a `strategy=` of the sweep) over its seeds: accuracy at the end of the
 equal-virtual-time budget (mean of the last 5 rounds, which is less noisy than the last
-one on 360 test images), total bytes up + down, rounds. Then: each graft against the
-original whose action and law it keeps, whether MDMA lies on or beyond the Pareto front
+one on 360 test images), total bytes up + down, rounds, each a mean with its 95 %
+t-interval over seeds. Then: each graft against the original whose action and law it
+keeps, paired seed by seed (Δ accuracy and bytes ratio with their intervals; "matches
+with fewer bytes" only when the bytes interval lies below 1 and the accuracy interval above
+−`MATCH` points, "no" when either interval lies wholly on the wrong side, else
+inconclusive), whether MDMA lies on or beyond the Pareto front
 of the single-action schemes, and (with `--oracle`) the diagnosis precision/recall
 table written by experiments/grafting_oracle.py.
 
@@ -24,7 +28,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import yaml
 
+from fl.run.intervals import interval
+
 LAST = 5  # rounds averaged for the end accuracy
+MATCH = 0.01  # our tolerance for "matches the original's accuracy": one point (3.6 images)
 # graft -> the original whose action and law it keeps
 GRAFTS = {"graft_adacomm": "adacomm", "graft_adaquantfl": "adaquantfl", "graft_apf": "apf"}
 SINGLE_ACTION = ("fedavg", "adacomm", "adaquantfl", "apf", "gift", *GRAFTS)
@@ -52,8 +59,10 @@ def _arms(sweeps: list[Path]) -> dict[str, list[dict[str, float]]]:
         strategy = next(o.split("=", 1)[1] for o in overrides if o.startswith("strategy="))
         rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
         last = rows[-1]
+        seed = int(yaml.safe_load((job / "config.yaml").read_text())["seed"])
         arms.setdefault(strategy, []).append(
             {
+                "seed": seed,
                 "accuracy": statistics.fmean(r["accuracy"] for r in rows[-LAST:]),
                 "bytes": last["cum_bytes_up"] + last["cum_bytes_down"],
                 "rounds": last["round"],
@@ -66,8 +75,32 @@ def _mean(runs: list[dict[str, float]], key: str) -> float:
     return statistics.fmean(r[key] for r in runs)
 
 
-def _std(runs: list[dict[str, float]], key: str) -> float:
-    return statistics.stdev(r[key] for r in runs) if len(runs) > 1 else 0.0
+def _spread(values: list[float], digits: int, sign: str = "") -> str:
+    """Mean [95 % t-interval]."""
+    mean, low, high = interval(values)
+    return f"{mean:{sign}.{digits}f} [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+
+
+def _half(runs: list[dict[str, float]], key: str) -> float:
+    """Half the width of the 95 % t-interval of the mean (error bars)."""
+    _, low, high = interval([r[key] for r in runs])
+    return (high - low) / 2
+
+
+def _paired(graft: list[dict[str, float]], original: list[dict[str, float]]) -> str:
+    """A graft against its original on the seeds both ran: Δ accuracy, bytes ratio, verdict."""
+    theirs = {r["seed"]: r for r in original}
+    pairs = [(r, theirs[r["seed"]]) for r in graft if r["seed"] in theirs]
+    delta = [a["accuracy"] - b["accuracy"] for a, b in pairs]
+    ratio = [a["bytes"] / b["bytes"] for a, b in pairs]
+    (_, d_low, d_high), (_, r_low, r_high) = interval(delta), interval(ratio)
+    if r_high < 1 and d_low >= -MATCH:
+        verdict = "yes"
+    elif r_low >= 1 or d_high < -MATCH:
+        verdict = "no"
+    else:
+        verdict = "inconclusive"
+    return f"{len(pairs)} | {_spread(delta, 4, '+')} | {_spread(ratio, 2)} | {verdict}"
 
 
 def dominated(point: tuple[float, float], others: list[tuple[float, float]]) -> bool:
@@ -83,27 +116,27 @@ def tables(arms: dict[str, list[dict[str, float]]]) -> str:
     front = [s for s in arms if not dominated(means[s], [means[o] for o in arms if o != s])]
     ref = means.get("fedavg", next(iter(means.values())))[0]
     lines = [
-        f"| arm | seeds | accuracy (last {LAST}) | total MB | bytes vs fedavg | rounds "
+        f"| arm | seeds | accuracy (last {LAST}), mean [95 % t-interval] | total MB "
+        "| bytes vs fedavg | rounds "
         "| on the Pareto front |",
         "|---|---|---|---|---|---|---|",
     ]
     for s, runs in arms.items():
-        acc, sd = _mean(runs, "accuracy"), _std(runs, "accuracy")
         total = _mean(runs, "bytes")
         lines.append(
-            f"| {s} | {len(runs)} | {acc:.4f} ± {sd:.4f} | {total / 1e6:.2f} | "
+            f"| {s} | {len(runs)} | {_spread([r['accuracy'] for r in runs], 4)} "
+            f"| {total / 1e6:.2f} | "
             f"{total / ref:.2f} | {_mean(runs, 'rounds'):.0f} | {'yes' if s in front else ''} |"
         )
-    lines += ["", "| graft | original | Δ accuracy | bytes ratio | matches with fewer bytes |"]
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "| graft | original | seeds paired | Δ accuracy | bytes ratio "
+        f"| matches with fewer bytes (Δ ≥ −{MATCH:.2f}) |",
+        "|---|---|---|---|---|---|",
+    ]
     for graft, original in GRAFTS.items():
-        if graft not in arms or original not in arms:
-            continue
-        diff = means[graft][1] - means[original][1]
-        noise = max(_std(arms[graft], "accuracy"), _std(arms[original], "accuracy"))
-        ratio = means[graft][0] / means[original][0]
-        verdict = "yes" if diff >= -noise and ratio < 1 else "no"
-        lines.append(f"| {graft} | {original} | {diff:+.4f} | {ratio:.2f} | {verdict} |")
+        if graft in arms and original in arms:
+            lines.append(f"| {graft} | {original} | {_paired(arms[graft], arms[original])} |")
     singles = [means[s] for s in SINGLE_ACTION if s in means]
     for multi in MULTI_ACTION:
         if multi in means:
@@ -113,7 +146,7 @@ def tables(arms: dict[str, list[dict[str, float]]]) -> str:
 
 
 def figure(arms: dict[str, list[dict[str, float]]], path: Path) -> None:
-    """Accuracy vs total bytes: each seed faint, each arm's mean with ±1 std bars."""
+    """Accuracy vs total bytes: each seed faint, each arm's mean with its 95 % interval bars."""
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for i, (s, runs) in enumerate(arms.items()):
         colour = f"C{i % 10}"
@@ -129,8 +162,8 @@ def figure(arms: dict[str, list[dict[str, float]]], path: Path) -> None:
         ax.errorbar(
             _mean(runs, "bytes") / 1e6,
             _mean(runs, "accuracy"),
-            xerr=_std(runs, "bytes") / 1e6,
-            yerr=_std(runs, "accuracy"),
+            xerr=_half(runs, "bytes") / 1e6,
+            yerr=_half(runs, "accuracy"),
             color=colour,
             marker=marker,
             markersize=9,
