@@ -37,9 +37,14 @@ Protocol, on the `semi_async` loop (clients_per_round nodes stay in flight):
    duration and L_ref = horizon × the slowest reply duration seen so far (our estimate
    of synchronous FedAvg's latency over the same rounds).
 
-Policies: `sac` (SAC-Discrete, `fl.mechanisms.sac`, learning online within the run), `fixed` (the
-grid point (fixed_quota, fixed_lag): SAFA with `resync` and `cfcfm`, `strategy=safa`) and
-`random` (uniform over the grid: the ablation that shows whether the agent learned).
+Policies: `sac` (SAC-Discrete, `fl.mechanisms.sac`, learning within the run; with
+`agent_file` it starts from the agent saved there and saves it back when round `horizon`
+ends, the episode's last transition marked terminal, so that the agent learns across runs:
+the spec's training protocol, experiments/asfl_train.py), `trained` (a saved policy acting
+greedily, the argmax of its actor, without learning: what the spec evaluates on held-out
+seeds), `fixed` (the grid point (fixed_quota, fixed_lag): SAFA with `resync` and `cfcfm`,
+`strategy=safa`) and `random` (uniform over the grid: the ablation that shows whether the
+agent learned).
 `resync` and `cfcfm` are off by default, which keeps `strategy=asfl` the protocol of the
 issue-13 figures.
 Everything, agent included, is in `state_dict()`, so a resumed run is bit-identical.
@@ -50,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,13 +63,13 @@ import torch
 
 from fl.common.checkpointable import checkpointable
 from fl.common.seeding import derive_seed
-from fl.mechanisms.sac import SACConfig, SACDiscrete
+from fl.mechanisms.sac import GreedyPolicy, SACConfig, SACDiscrete, check_agent_file
 from fl.strategy.client import ClientHooks
 from fl.strategy.registry import register
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.world.population import as_node_ids, member
 
-POLICIES = ("sac", "fixed", "random")
+POLICIES = ("sac", "fixed", "random", "trained")
 SELECTIONS = ("score", "uniform")
 STATE_DIM = 10  # features of `ASFLServer._features`
 
@@ -72,7 +78,9 @@ STATE_DIM = 10  # features of `ASFLServer._features`
 class ASFLParams:
     """The action grid, the objective's preference and the agent (spec §1.3, and below)."""
 
-    policy: str = "sac"  # sac | fixed | random
+    policy: str = "sac"  # sac | fixed | random | trained
+    policy_file: str | None = None  # policy=trained: the saved policy it acts with
+    agent_file: str | None = None  # policy=sac: start from this agent; saved back at the end
     quotas: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.5, 1.0])
     lags: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     fixed_quota: float = 0.5  # policy=fixed: SAFA's C
@@ -114,6 +122,33 @@ class ASFLParams:
             raise ValueError("strategy.hidden/batch_size/buffer_size/updates_per_round >= 1")
         if not 0 < self.target_entropy_ratio <= 1 or not self.reward_scale > 0:
             raise ValueError("strategy.target_entropy_ratio in (0, 1], reward_scale > 0")
+        if (self.policy == "trained") != (self.policy_file is not None):
+            raise ValueError("strategy.policy_file is for policy=trained, which needs one")
+        if self.agent_file is not None and self.policy != "sac":
+            raise ValueError("strategy.agent_file is for policy=sac")
+        if self.policy_file is not None:  # one line if it is missing, unsafe or another's
+            GreedyPolicy.load(self.policy_file, self.sac_config(), self.meta)
+        if self.agent_file is not None:
+            check_agent_file(Path(self.agent_file), self.sac_config(), self.meta)
+
+    def sac_config(self) -> SACConfig:
+        """The agent's sizes and hyper-parameters."""
+        return SACConfig(
+            STATE_DIM,
+            len(self.actions),
+            hidden=self.hidden,
+            lr=self.lr,
+            gamma=self.gamma,
+            polyak=self.polyak,
+            batch_size=self.batch_size,
+            buffer_size=self.buffer_size,
+            target_entropy_ratio=self.target_entropy_ratio,
+        )
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """What an agent's actions mean, saved with it and checked on load."""
+        return {"actions": [[q, t] for q, t in self.actions]}
 
     @property
     def actions(self) -> list[tuple[float, int]]:
@@ -250,20 +285,14 @@ class ASFLServer(ServerStrategy):
         self._reserve: frozenset[int] = frozenset()  # this round's: picked last round
         self._started = 0  # the round whose action is chosen
         self.generator = torch.Generator().manual_seed(derive_seed(self.seed, 0xA5F1))
-        self.agent = None
+        self.agent: SACDiscrete | None = None
+        self.trained: GreedyPolicy | None = None
         if params.policy == "sac":
-            config = SACConfig(
-                STATE_DIM,
-                len(self.actions),
-                hidden=params.hidden,
-                lr=params.lr,
-                gamma=params.gamma,
-                polyak=params.polyak,
-                batch_size=params.batch_size,
-                buffer_size=params.buffer_size,
-                target_entropy_ratio=params.target_entropy_ratio,
-            )
-            self.agent = SACDiscrete(config, derive_seed(self.seed, 0x5AC))
+            self.agent = SACDiscrete(params.sac_config(), derive_seed(self.seed, 0x5AC))
+            if params.agent_file is not None and Path(params.agent_file).exists():
+                self.agent.load(params.agent_file, params.meta)
+        elif params.policy_file is not None:
+            self.trained = GreedyPolicy.load(params.policy_file, params.sac_config(), params.meta)
         self._round: dict[str, Any] = {}  # this round's diagnostics
 
     # ----- the knobs ----------------------------------------------------------------
@@ -287,6 +316,8 @@ class ASFLServer(ServerStrategy):
             self.action = int(torch.randint(len(self.actions), (1,), generator=self.generator))
         elif self.agent is not None:
             self.action = self.agent.act(self.features)
+        elif self.trained is not None:
+            self.action = self.trained.act(self.features)
         self._reserve, self.picked = frozenset(self.picked), []
         self._round = {
             "deprecated": 0,
@@ -388,12 +419,14 @@ class ASFLServer(ServerStrategy):
         self.objective += reward
         self._round.update(reward=reward, objective=self.objective)
         if self.agent is not None:
-            scaled = self.params.reward_scale * reward
-            self.agent.remember(self.features, self.action, scaled, features)
+            scaled, end = self.params.reward_scale * reward, server_round == self.params.horizon
+            self.agent.remember(self.features, self.action, scaled, features, end)
             learned = [self.agent.update() for _ in range(self.params.updates_per_round)]
             last = learned[-1]
             self._round["critic_loss"] = None if last is None else last["critic_loss"]
             self._round["alpha"] = self.agent.alpha
+            if end and self.params.agent_file is not None:
+                self.agent.save(self.params.agent_file, self.params.meta)
         self.features, self.accuracy, self.loss = features, accuracy, loss
 
     def _features(
