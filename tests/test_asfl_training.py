@@ -4,17 +4,22 @@ agent from run to run, and both resuming exactly."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import train_in_process, without_wall_time
+from conftest import REPO, train_in_process, without_wall_time
 
 from fl.common.config import ConfigError, compose
 from fl.mechanisms.sac import AgentFileError, GreedyPolicy, SACConfig, SACDiscrete
 from fl.run.validation import validate
+
+sys.path.insert(0, str(REPO / "experiments"))
+import asfl_train  # (experiments/ is not a package)
 
 CONFIG = SACConfig(state_dim=3, num_actions=4, batch_size=4, buffer_size=50)
 
@@ -198,3 +203,43 @@ def test_a_trained_policy_acts_greedily_and_resumes(tmp_path: Path) -> None:
     train_in_process(tmp_path / "r", *trained, "seed=3", "rounds=2")
     resumed, _ = train_in_process(tmp_path / "r", *trained, "seed=3", "resume=true")
     assert without_wall_time(resumed) == without_wall_time(rows)
+
+
+def test_the_verdict_reads_the_paired_intervals() -> None:
+    others = {"fedavg": [0.0, 0.1, 0.0], "fedbuff": [0.1, 0.1, 0.2], "safa": [0.0, 0.0, 0.1]}
+    assert asfl_train.verdict([0.5, 0.6, 0.55], [0.5, 0.6, 0.56], others) == "reproduces"
+    assert asfl_train.verdict([0.5, 0.6, 0.55], [0.7, 0.8, 0.75], others) == "does not reproduce"
+    assert asfl_train.verdict([0.1, 0.3, 0.2], [0.1, 0.3, 0.2], others) == "inconclusive"
+
+
+TINY = [
+    "num_clients=12",  # FedBuff's buffer of 10 needs as many in flight
+    "clients_per_round=12",
+    "task.model=logreg",
+    "faults.crash=0.1",
+    "system=heterogeneous",
+    "rounds=3",
+    "progress=false",
+    "plots=false",
+]
+
+
+@pytest.mark.slow  # three episodes and one evaluation seed of every arm, tiny (~25 s)
+def test_training_continues_after_its_last_episode_and_evaluation_reports(tmp_path, monkeypatch):
+    monkeypatch.setattr(asfl_train, "ENV", TINY)
+    monkeypatch.setattr(asfl_train, "SPEC_SAC", ["strategy.batch_size=2"])
+    monkeypatch.setattr(asfl_train, "GRID", [(0.5, 3), (0.2, 1)])
+    asfl_train.train(tmp_path, 2, 0.5)
+    asfl_train.train(tmp_path, 3, 0.5)  # a rerun: one more episode, not three
+    log = [json.loads(x) for x in (tmp_path / "train-rho0.5.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in log] == [1000, 1001, 1002]
+    assert not (tmp_path / "rho0.5" / "002" / "checkpoint.pt").exists()  # tidied
+    assert GreedyPolicy.load(tmp_path / "policy-rho0.5.pt", SACConfig(10, 25), _grid())
+    report = asfl_train.evaluate(tmp_path, 2, [0.5])
+    assert "2 held-out seeds" in report and "verdict: " in report
+    arms = {r["arm"] for r in map(json.loads, (tmp_path / "eval.jsonl").read_text().splitlines())}
+    assert arms == {"fedavg", "fedbuff", "random", "safa", "fixed-0.2-1", "asfl-rho0.5"}
+
+
+def _grid() -> dict[str, Any]:
+    return {"actions": [[q, t] for q in (0.1, 0.2, 0.3, 0.5, 1.0) for t in (1, 2, 3, 4, 5)]}
