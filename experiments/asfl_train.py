@@ -1,7 +1,7 @@
 """ASFL's training protocol (spec algorithms_b.md §1.6): train the agent over short episodes,
 then evaluate its greedy policy on held-out seeds against the baselines.
 
-    python experiments/asfl_train.py train OUT [--episodes 150] [--rho 0.5]
+    python experiments/asfl_train.py train OUT [--episodes 150] [--rho 0.5] [--name N --sac K=V]
     python experiments/asfl_train.py evaluate OUT [--seeds 20] [--rho 0.5 [0.2 0.8]]
 
 The spec's setting mapped to our config (ENV below): digits, 50 clients, label-Dirichlet(0.3),
@@ -17,13 +17,15 @@ batch 64, one update a round), the agent carried from episode to episode in
 OUT/agent-rhoR.pt (`strategy.agent_file`); OUT/train-rhoR.jsonl gets one line per finished
 episode (its objective, accuracy, latency, mean K and τ). Rerunning continues after the
 last finished episode (one killed midway resumes from its checkpoint). At the end the
-actor is written to OUT/policy-rhoR.pt.
+actor is written to OUT/policy-rhoR.pt. `--name N --sac KEY=V ...` trains a variant with
+other agent settings into OUT/*-rhoR-N.* (e.g. a larger reward scale).
 
 evaluate: seeds 0 .. n−1 (never trained on). Per seed: FedAvg (sync, all 50), FedBuff
 (buffer 10 of 50 in flight), the fixed (K, τ) grid K ∈ {0.1, 0.2, 0.3, 0.5, 1.0}·N ×
 τ ∈ {1, 3, 5} on SAFA's protocol (SAFA itself is (0.5, 3)), the random policy, and the
 trained policy of each ρ. O = ρ·Acc_final − (1−ρ)·L/L_FedAvg (L: the run's virtual time,
-L_FedAvg: FedAvg's on the same seed); only the trained arm depends on ρ. Prints, per ρ,
+L_FedAvg: FedAvg's on the same seed); only the trained arms (one per policy file in OUT)
+depend on ρ. Prints, per ρ and trained arm,
 the mean and 95 % t-interval of O per arm, those of ASFL's paired per-seed differences
 to each baseline, and a verdict; OUT/eval.jsonl holds one line per finished run (rerunning
 skips them). The best fixed point is picked on the evaluation seeds themselves (the
@@ -74,8 +76,9 @@ def _tag(rho: float) -> str:
     return f"rho{rho:g}"
 
 
-def arms(out: Path, rhos: list[float]) -> dict[str, list[str]]:
-    """Every evaluation arm's overrides (besides ENV and the seed)."""
+def arms(out: Path) -> dict[str, list[str]]:
+    """Every evaluation arm's overrides (besides ENV and the seed): the baselines, and a
+    trained arm per policy file in `out`."""
     found = {
         "fedavg": ["strategy=fedavg"],
         "fedbuff": ["strategy=fedbuff", "loop=semi_async", "loop.buffer_k=10"],
@@ -84,14 +87,9 @@ def arms(out: Path, rhos: list[float]) -> dict[str, list[str]]:
     for q, t in GRID:
         name = "safa" if (q, t) == (0.5, 3) else f"fixed-{q:g}-{t}"
         found[name] = [*SAFA, f"strategy.fixed_quota={q}", f"strategy.fixed_lag={t}"]
-    for rho in rhos:
-        policy = out / f"policy-{_tag(rho)}.pt"
-        found[f"asfl-{_tag(rho)}"] = [
-            *ASFL,
-            "strategy.policy=trained",
-            f"strategy.policy_file={policy}",
-            f"strategy.preference={rho}",
-        ]
+    for policy in sorted(out.glob("policy-*.pt")):
+        name = "asfl-" + policy.stem.removeprefix("policy-")
+        found[name] = [*ASFL, "strategy.policy=trained", f"strategy.policy_file={policy}"]
     return found
 
 
@@ -140,9 +138,10 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 
 # ----- training ----------------------------------------------------------------------------
-def train(out: Path, episodes: int, rho: float) -> None:
-    """Episodes not yet in the log, the agent carried in its file; then the policy file."""
-    tag = _tag(rho)
+def train(out: Path, episodes: int, rho: float, name: str = "", sac: tuple[str, ...] = ()) -> None:
+    """Episodes not yet in the log, the agent carried in its file; then the policy file.
+    `name`, `sac`: a variant's file suffix and its agent overrides."""
+    tag = _tag(rho) + (f"-{name}" if name else "")
     log, agent_file = out / f"train-{tag}.jsonl", out / f"agent-{tag}.pt"
     done = len(_lines(log))
     if done == 0 and agent_file.exists() and not (out / tag / "000").exists():
@@ -150,14 +149,14 @@ def train(out: Path, episodes: int, rho: float) -> None:
     for episode in range(done, episodes):
         seed, run_dir = TRAIN_SEED + episode, out / tag / f"{episode:03d}"
         learning = ["strategy.policy=sac", f"strategy.agent_file={agent_file}"]
-        overrides = [*ENV, *ASFL, *SPEC_SAC, *learning, f"strategy.preference={rho}"]
+        overrides = [*ENV, *ASFL, *SPEC_SAC, *sac, *learning, f"strategy.preference={rho}"]
         rows = run(run_dir, [*overrides, f"seed={seed}"])
         record = {"episode": episode, "seed": seed, "objective": rows[-1]["objective"]}
         record |= _summary(rows) | {"alpha": rows[-1]["alpha"]}
         _append(log, record)
         _tidy(run_dir)
         print(json.dumps(record), flush=True)
-    _save_policy(agent_file, out / f"policy-{tag}.pt", [*ENV, *ASFL, *SPEC_SAC])
+    _save_policy(agent_file, out / f"policy-{tag}.pt", [*ENV, *ASFL, *SPEC_SAC, *sac])
 
 
 def _save_policy(agent_file: Path, policy_file: Path, overrides: list[str]) -> None:
@@ -179,7 +178,7 @@ def evaluate(out: Path, seeds: int, rhos: list[float]) -> str:
     log = out / "eval.jsonl"
     done = {(r["arm"], r["seed"]) for r in _lines(log)}
     for seed in range(seeds):
-        for arm, overrides in arms(out, rhos).items():
+        for arm, overrides in arms(out).items():
             if (arm, seed) in done:
                 continue
             run_dir = out / "eval" / arm / str(seed)
@@ -229,27 +228,32 @@ def verdict(asfl: list[float], best: list[float], others: dict[str, list[float]]
 
 
 def report(records: list[dict[str, Any]], rhos: list[float], seeds: int) -> str:
-    """Per ρ: O per arm (mean, 95 % t-interval), ASFL's paired differences, the verdict."""
+    """Per ρ and trained arm: O per arm (mean, 95 % t-interval), ASFL's paired differences,
+    the verdict."""
     lines = []
     for rho in rhos:
         values = objectives(records, rho, seeds)
-        name = f"asfl-{_tag(rho)}"
-        if name not in values:
-            continue
-        fixed = [a for a in values if a == "safa" or a.startswith("fixed-")]
-        best = max(fixed, key=lambda a: statistics.fmean(values[a]))
-        n = len(values[name])
-        lines += [f"ρ = {rho:g}, {n} held-out seeds; best fixed (K, τ) on them: {best}", ""]
-        lines += ["| arm | O: mean [95 % t-interval] | ASFL − arm, paired |", "|---|---|---|"]
-        for arm in sorted(values, key=lambda a: -statistics.fmean(values[a])):
-            if arm.startswith("asfl-") and arm != name:
-                continue
-            diff = [a - b for a, b in zip(values[name], values[arm], strict=True)]
-            paired = "—" if arm == name else _cell(diff)
-            lines.append(f"| {arm} | {_cell(values[arm])} | {paired} |")
-        others = {b: values[b] for b in BASELINES}
-        lines += ["", f"verdict: {verdict(values[name], values[best], others)}", ""]
+        tag = f"asfl-{_tag(rho)}"
+        for name in [a for a in values if a == tag or a.startswith(f"{tag}-")]:
+            lines += _table(values, name, rho)
     return "\n".join(lines)
+
+
+def _table(values: dict[str, list[float]], name: str, rho: float) -> list[str]:
+    """One trained arm against every baseline at preference `rho`."""
+    fixed = [a for a in values if a == "safa" or a.startswith("fixed-")]
+    best = max(fixed, key=lambda a: statistics.fmean(values[a]))
+    n = len(values[name])
+    lines = [f"{name}: ρ = {rho:g}, {n} held-out seeds; best fixed (K, τ) on them: {best}", ""]
+    lines += ["| arm | O: mean [95 % t-interval] | ASFL − arm, paired |", "|---|---|---|"]
+    for arm in sorted(values, key=lambda a: -statistics.fmean(values[a])):
+        if arm.startswith("asfl-") and arm != name:
+            continue
+        diff = [a - b for a, b in zip(values[name], values[arm], strict=True)]
+        paired = "—" if arm == name else _cell(diff)
+        lines.append(f"| {arm} | {_cell(values[arm])} | {paired} |")
+    others = {b: values[b] for b in BASELINES}
+    return [*lines, "", f"verdict: {verdict(values[name], values[best], others)}", ""]
 
 
 def main() -> None:
@@ -259,6 +263,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=150)
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--rho", type=float, nargs="+", default=[0.5])
+    parser.add_argument("--name", default="", help="train: a variant's file suffix")
+    parser.add_argument("--sac", nargs="*", default=[], help="train: the variant's overrides")
     args = parser.parse_args()
     from fl.common.seeding import pin_torch_threads
 
@@ -267,7 +273,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "train":
         for rho in args.rho:
-            train(args.out, args.episodes, rho)
+            train(args.out, args.episodes, rho, args.name, tuple(args.sac))
     else:
         print(evaluate(args.out, args.seeds, args.rho))
 
