@@ -202,6 +202,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         sent = 0
         for exchange in itertools.count(1):  # one, unless the strategy asks for more
             exchange_s = clock.now
+            if exchange == 1:  # cancelled before selection: idle, so they may be asked anew
+                strategy.give_up(driver.cancel(strategy.resync(server_round, driver.in_flight())))
             reachable = len(driver.idle(_reachable(clock, by_partition, server_round)))
             strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
             config = ConfigRecord({**privacy.train_config(), **stamp(str(cfg.strategy.name))})
@@ -311,7 +313,8 @@ def _send(
             server_round, strategy.global_vector, replies, down, asked, strategy.reply_parts
         )
     close_at = strategy.arrivals_to_close(server_round)
-    landed = driver.close(server_round, started_s, len(messages), missing, close_at)
+    reserve = strategy.reserve_arrivals(server_round)
+    landed = driver.close(server_round, started_s, len(messages), missing, close_at, reserve)
     strategy.expect(landed.info)
     return landed, list(down.values())
 

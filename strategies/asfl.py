@@ -10,34 +10,52 @@ Protocol, on the `semi_async` loop (clients_per_round nodes stay in flight):
 
 1. Controller: at the start of round t the policy picks an action a_t = (K_t, τ_t) from
    a grid of quotas (fractions of the nodes in flight) × lag tolerances (rounds).
+   With `resync` (SAFA's forced resync, spec §1.2 step 1), nodes in flight whose base is
+   older than t − τ_t are then cancelled (`resync`): idle, they may be sent W(t−1).
 2. Device selection: idle nodes are ranked by last reported train loss (an Oort-style
    proxy for the label histograms the abstract alludes to), data share, and observed
    round duration (`selection=score`); nodes never heard from go first.
 3. The round closes at the K_t-th arrival (`arrivals_to_close`); nodes still training
-   keep going and land later, stale.
-4. Lag tolerance: a reply staler than τ_t is deprecated (discarded, its cache entry
-   dropped; the node gets the current model when next selected; unlike SAFA, a node is
-   not interrupted once it lags beyond τ_t: the loop lets it finish). Tolerated replies are
-   written into the cache as the model the client trained (its base plus its update).
-5. Cache merge: entries whose lag (rounds since their base) exceeds τ_t are evicted;
-   the new global model is the weighted mean of the cache, weights n_k·(1 + lag_k)^-a
-   (a = `staleness_exponent`; 0 is SAFA's n_k/n, > 0 the spec's "ASFL+poly").
+   keep going and land later, stale. With `cfcfm` (SAFA's compensatory
+   first-come-first-merge, step 3) the nodes picked last round are a reserve
+   (`reserve_arrivals`): their arrivals close the round only where the others in flight
+   cannot fill K_t, and the K_t picked are the earliest of the others, topped up from the
+   reserve in arrival order (`draft`); the rest are undrafted.
+4. Lag tolerance: a reply staler than τ_t is deprecated (discarded; the node gets the
+   current model when next selected). Without `resync` such a node is not interrupted:
+   the loop lets it finish. Tolerated picked replies are written into the cache as the
+   model the client trained (its base plus its update).
+5. Cache merge: entries whose lag (rounds since their base) exceeds τ_t, and those of
+   deprecated replies, are deprecated: evicted, or with `resync` set to W(t−1) at lag 0
+   (SAFA's step 4, what a resynced node holds; the spec's rule, not an eviction). The new
+   global model is the weighted mean of the cache, weights n_k·(1 + lag_k)^-a
+   (a = `staleness_exponent`; 0 is SAFA's n_k/n, > 0 the spec's "ASFL+poly"). Undrafted
+   replies enter the cache after the merge (SAFA's bypass, step 6): they count from the
+   next round.
 6. Reward (the latency–accuracy objective, telescoping over rounds):
    r_t = ρ·(Acc_t − Acc_{t−1}) − (1 − ρ)·ℓ_t / L_ref, with ℓ_t the round's virtual
    duration and L_ref = horizon × the slowest reply duration seen so far (our estimate
    of synchronous FedAvg's latency over the same rounds).
 
-Policies: `sac` (SAC-Discrete, `fl.mechanisms.sac`, learning online within the run), `fixed` (the
-grid point (fixed_quota, fixed_lag): SAFA with a fixed lag, our SAFA baseline) and
-`random` (uniform over the grid: the ablation that shows whether the agent learned).
+Policies: `sac` (SAC-Discrete, `fl.mechanisms.sac`, learning within the run; with
+`agent_file` it starts from the agent saved there and saves it back when round `horizon`
+ends, the episode's last transition marked terminal, so that the agent learns across runs:
+the spec's training protocol, experiments/asfl_train.py), `trained` (a saved policy acting
+greedily, the argmax of its actor, without learning: what the spec evaluates on held-out
+seeds), `fixed` (the grid point (fixed_quota, fixed_lag): SAFA with `resync` and `cfcfm`,
+`strategy=safa`) and `random` (uniform over the grid: the ablation that shows whether the
+agent learned).
+`resync` and `cfcfm` are off by default, which keeps `strategy=asfl` the protocol of the
+issue-13 figures.
 Everything, agent included, is in `state_dict()`, so a resumed run is bit-identical.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,13 +63,13 @@ import torch
 
 from fl.common.checkpointable import checkpointable
 from fl.common.seeding import derive_seed
-from fl.mechanisms.sac import SACConfig, SACDiscrete
+from fl.mechanisms.sac import GreedyPolicy, SACConfig, SACDiscrete, check_agent_file
 from fl.strategy.client import ClientHooks
 from fl.strategy.registry import register
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.world.population import as_node_ids, member
 
-POLICIES = ("sac", "fixed", "random")
+POLICIES = ("sac", "fixed", "random", "trained")
 SELECTIONS = ("score", "uniform")
 STATE_DIM = 10  # features of `ASFLServer._features`
 
@@ -60,7 +78,9 @@ STATE_DIM = 10  # features of `ASFLServer._features`
 class ASFLParams:
     """The action grid, the objective's preference and the agent (spec §1.3, and below)."""
 
-    policy: str = "sac"  # sac | fixed | random
+    policy: str = "sac"  # sac | fixed | random | trained
+    policy_file: str | None = None  # policy=trained: the saved policy it acts with
+    agent_file: str | None = None  # policy=sac: start from this agent; saved back at the end
     quotas: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.5, 1.0])
     lags: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     fixed_quota: float = 0.5  # policy=fixed: SAFA's C
@@ -69,6 +89,8 @@ class ASFLParams:
     horizon: int = 100  # rounds of the task (conf: ${rounds}); scales time and L_ref
     staleness_exponent: float = 0.0  # a of the cache weights n_k (1 + lag)^-a; 0: SAFA
     selection: str = "score"  # score | uniform
+    resync: bool = False  # SAFA's forced resync of deprecated nodes (spec §1.2 steps 1, 4)
+    cfcfm: bool = False  # SAFA's compensatory first-come-first-merge (steps 3, 6)
     hidden: int = 64
     # The spec's lr 3e-4, batch 64, one update a round assume 150 offline episodes; this
     # agent learns online within one run, so it starts after 32 rounds and steps 4 times.
@@ -100,6 +122,33 @@ class ASFLParams:
             raise ValueError("strategy.hidden/batch_size/buffer_size/updates_per_round >= 1")
         if not 0 < self.target_entropy_ratio <= 1 or not self.reward_scale > 0:
             raise ValueError("strategy.target_entropy_ratio in (0, 1], reward_scale > 0")
+        if (self.policy == "trained") != (self.policy_file is not None):
+            raise ValueError("strategy.policy_file is for policy=trained, which needs one")
+        if self.agent_file is not None and self.policy != "sac":
+            raise ValueError("strategy.agent_file is for policy=sac")
+        if self.policy_file is not None:  # one line if it is missing, unsafe or another's
+            GreedyPolicy.load(self.policy_file, self.sac_config(), self.meta)
+        if self.agent_file is not None:
+            check_agent_file(Path(self.agent_file), self.sac_config(), self.meta)
+
+    def sac_config(self) -> SACConfig:
+        """The agent's sizes and hyper-parameters."""
+        return SACConfig(
+            STATE_DIM,
+            len(self.actions),
+            hidden=self.hidden,
+            lr=self.lr,
+            gamma=self.gamma,
+            polyak=self.polyak,
+            batch_size=self.batch_size,
+            buffer_size=self.buffer_size,
+            target_entropy_ratio=self.target_entropy_ratio,
+        )
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """What an agent's actions mean, saved with it and checked on load."""
+        return {"actions": [[q, t] for q, t in self.actions]}
 
     @property
     def actions(self) -> list[tuple[float, int]]:
@@ -118,17 +167,37 @@ class CacheEntry:
 
 
 def deprecate(
-    cache: dict[int, CacheEntry], updates: list[ClientUpdate], server_round: int, tolerance: int
+    cache: dict[int, CacheEntry],
+    updates: list[ClientUpdate],
+    server_round: int,
+    tolerance: int,
+    resync_to: torch.Tensor | None = None,
 ) -> list[ClientUpdate]:
-    """Drop the cache entries of nodes whose reply is staler than `tolerance`, and of
-    entries whose lag now exceeds it; return the tolerated replies."""
+    """Return the replies no staler than `tolerance`; deprecate the cache entries of nodes
+    with a staler reply and the entries whose lag now exceeds it.
+
+    A deprecated entry is dropped, or, with `resync_to` (SAFA's W(t−1): spec §1.2 step 4,
+    what a resynced node now holds), replaced by that model at lag 0, its examples kept.
+    """
     tolerated = [u for u in updates if u.staleness <= tolerance]
-    for update in updates:
-        if update.staleness > tolerance:
-            cache.pop(update.node_id, None)
-    for node in [n for n, e in cache.items() if server_round - e.version > tolerance]:
-        del cache[node]
+    stale = {u.node_id for u in updates if u.staleness > tolerance} & cache.keys()
+    stale |= {n for n, e in cache.items() if server_round - e.version > tolerance}
+    for node in stale:
+        if resync_to is None:
+            del cache[node]
+        else:
+            cache[node] = CacheEntry(resync_to, cache[node].examples, server_round)
     return tolerated
+
+
+def draft(
+    updates: list[ClientUpdate], picked_before: Collection[int], quota: int
+) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
+    """SAFA's CFCFM (spec §1.2 step 3): the `quota` earliest arrivals of the nodes not
+    picked last round, topped up with those picked last round in arrival order; the rest
+    are undrafted. Returns (picked, undrafted)."""
+    ranked = sorted(updates, key=lambda u: (u.node_id in picked_before, u.arrived_s))
+    return ranked[:quota], ranked[quota:]
 
 
 def merge_cache(cache: dict[int, CacheEntry], server_round: int, exponent: float) -> torch.Tensor:
@@ -195,6 +264,7 @@ class ASFLServer(ServerStrategy):
         "loss",
         "ref_round_s",
         "objective",
+        "picked",
     )
 
     def __init__(self, params: ASFLParams, **kwargs: Any) -> None:
@@ -211,21 +281,18 @@ class ASFLServer(ServerStrategy):
         self.loss: float | None = None
         self.ref_round_s = 0.0
         self.objective = 0.0
+        self.picked: list[int] = []  # the nodes whose replies the last aggregation merged
+        self._reserve: frozenset[int] = frozenset()  # this round's: picked last round
+        self._started = 0  # the round whose action is chosen
         self.generator = torch.Generator().manual_seed(derive_seed(self.seed, 0xA5F1))
-        self.agent = None
+        self.agent: SACDiscrete | None = None
+        self.trained: GreedyPolicy | None = None
         if params.policy == "sac":
-            config = SACConfig(
-                STATE_DIM,
-                len(self.actions),
-                hidden=params.hidden,
-                lr=params.lr,
-                gamma=params.gamma,
-                polyak=params.polyak,
-                batch_size=params.batch_size,
-                buffer_size=params.buffer_size,
-                target_entropy_ratio=params.target_entropy_ratio,
-            )
-            self.agent = SACDiscrete(config, derive_seed(self.seed, 0x5AC))
+            self.agent = SACDiscrete(params.sac_config(), derive_seed(self.seed, 0x5AC))
+            if params.agent_file is not None and Path(params.agent_file).exists():
+                self.agent.load(params.agent_file, params.meta)
+        elif params.policy_file is not None:
+            self.trained = GreedyPolicy.load(params.policy_file, params.sac_config(), params.meta)
         self._round: dict[str, Any] = {}  # this round's diagnostics
 
     # ----- the knobs ----------------------------------------------------------------
@@ -240,15 +307,41 @@ class ASFLServer(ServerStrategy):
         return self.actions[self.action][1]
 
     def on_round_start(self, server_round: int) -> None:
-        """The policy picks this round's (K_t, τ_t) from the state the last round left."""
+        """The policy picks this round's (K_t, τ_t) from the state the last round left,
+        once, whichever of `resync` and this comes first."""
+        if self._started == server_round:
+            return
+        self._started = server_round
         if self.params.policy == "random":
             self.action = int(torch.randint(len(self.actions), (1,), generator=self.generator))
         elif self.agent is not None:
             self.action = self.agent.act(self.features)
-        self._round = {"deprecated": 0, **self._cache_stats(server_round)}
+        elif self.trained is not None:
+            self.action = self.trained.act(self.features)
+        self._reserve, self.picked = frozenset(self.picked), []
+        self._round = {
+            "deprecated": 0,
+            "resynced": 0,
+            "undrafted": 0,
+            **self._cache_stats(server_round),
+        }
 
     def arrivals_to_close(self, server_round: int) -> int | None:
         return self.quota
+
+    def resync(self, server_round: int, in_flight: Mapping[int, int]) -> list[int]:
+        """SAFA's forced resync (`resync`): nodes in flight whose base is older than
+        t − τ_t are cancelled; their cache entries become W(t−1) at this round's merge."""
+        self.on_round_start(server_round)  # τ_t first
+        if not self.params.resync:
+            return []
+        gone = [n for n, sent in in_flight.items() if server_round - sent > self.lag_tolerance]
+        self._round["resynced"] = len(gone)
+        return gone
+
+    def reserve_arrivals(self, server_round: int) -> frozenset[int]:
+        """CFCFM (`cfcfm`): the nodes picked last round close the round only as a reserve."""
+        return self._reserve if self.params.cfcfm else frozenset()
 
     # ----- device selection -----------------------------------------------------------
     def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
@@ -266,7 +359,8 @@ class ASFLServer(ServerStrategy):
         return self.global_vector + delta
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
-        """Deprecate replies and entries beyond τ_t, cache the rest, merge the cache."""
+        """Deprecate replies and entries beyond τ_t, cache the picked replies, merge the
+        cache; with `cfcfm`, cache the undrafted ones after the merge (bypass, step 6)."""
         for u in updates:  # what selection and the latency reference learn from a reply
             duration = u.arrived_s - self.round_start_s.get(server_round - u.staleness, 0.0)
             self.seen[u.node_id] = [
@@ -275,16 +369,30 @@ class ASFLServer(ServerStrategy):
                 duration,
             ]
             self.ref_round_s = max(self.ref_round_s, duration)
-        tolerated = deprecate(self.cache, updates, server_round, self.lag_tolerance)
-        for u in tolerated:  # the model the client trained: its base plus its own update
+        resync_to = self.global_vector if self.params.resync else None
+        tolerated = deprecate(self.cache, updates, server_round, self.lag_tolerance, resync_to)
+        picked, undrafted = (
+            draft(tolerated, self._reserve, self.quota) if self.params.cfcfm else (tolerated, [])
+        )
+        self._cache_replies(picked, server_round)
+        self.picked = sorted(u.node_id for u in picked)
+        self._round.update(
+            deprecated=len(updates) - len(tolerated),
+            undrafted=len(undrafted),
+            **self._cache_stats(server_round),
+        )
+        merged = self.global_vector
+        if self.cache:
+            merged = merge_cache(self.cache, server_round, self.params.staleness_exponent)
+        self._cache_replies(undrafted, server_round)
+        return merged
+
+    def _cache_replies(self, updates: list[ClientUpdate], server_round: int) -> None:
+        """Each reply into the cache as the model its client trained: its base plus its
+        own update, versioned by the round it was sent in."""
+        for u in updates:
             model = self.base_of(u.node_id) + (u.vector - self.global_vector)
             self.cache[u.node_id] = CacheEntry(model, u.num_examples, server_round - u.staleness)
-        self._round.update(
-            deprecated=len(updates) - len(tolerated), **self._cache_stats(server_round)
-        )
-        if not self.cache:
-            return self.global_vector
-        return merge_cache(self.cache, server_round, self.params.staleness_exponent)
 
     def _cache_stats(self, server_round: int) -> dict[str, Any]:
         """Size of the cache and the lags of its entries at `server_round`."""
@@ -311,12 +419,14 @@ class ASFLServer(ServerStrategy):
         self.objective += reward
         self._round.update(reward=reward, objective=self.objective)
         if self.agent is not None:
-            scaled = self.params.reward_scale * reward
-            self.agent.remember(self.features, self.action, scaled, features)
+            scaled, end = self.params.reward_scale * reward, server_round == self.params.horizon
+            self.agent.remember(self.features, self.action, scaled, features, end)
             learned = [self.agent.update() for _ in range(self.params.updates_per_round)]
             last = learned[-1]
             self._round["critic_loss"] = None if last is None else last["critic_loss"]
             self._round["alpha"] = self.agent.alpha
+            if end and self.params.agent_file is not None:
+                self.agent.save(self.params.agent_file, self.params.meta)
         self.features, self.accuracy, self.loss = features, accuracy, loss
 
     def _features(

@@ -230,3 +230,25 @@ def test_asfl_run_logs_reward_action_critic_loss_and_resumes_identically(tmp_pat
     run_fl(tmp_path / "resumed", *RUN, "rounds=5")
     run_fl(tmp_path / "resumed", *RUN, "rounds=8", "resume=true")
     assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(rows)
+
+
+SAFA = (
+    "strategy=safa",  # with SAFA's forced resync and CFCFM (tests/test_safa.py)
+    "system=heterogeneous",
+    "clients_per_round=6",
+    "num_clients=10",
+    "local_epochs=1",
+    "strategy.fixed_lag=1",
+    "strategy.horizon=8",
+    "progress=false",
+)
+
+
+@pytest.mark.slow  # end to end with resume (~15 s)
+def test_safa_resumes_identically_across_resyncs_and_undrafted_replies(tmp_path):
+    run_fl(tmp_path / "full", *SAFA, "rounds=8", fresh=True)
+    rows = read_metrics(tmp_path / "full")
+    assert any(r["resynced"] for r in rows[3:]) and any(r["undrafted"] for r in rows[3:])
+    run_fl(tmp_path / "resumed", *SAFA, "rounds=3")
+    run_fl(tmp_path / "resumed", *SAFA, "rounds=8", "resume=true")
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(rows)

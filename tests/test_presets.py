@@ -276,7 +276,8 @@ def _fedca_stops(arms: list[Arm]) -> None:
 
 def _semi_async_quota(arms: list[Arm]) -> None:
     """A round closes at its quota: all in flight (sync), FedBuff's buffer, or the K that
-    SAFA fixes and ASFL's agent (or random policy) picks each round."""
+    SAFA fixes and ASFL's agent (or random policy) picks each round (SAFA's undrafted
+    replies land beside the K it merges)."""
     for arm in arms:
         replies = arm.column("replies")
         if arm.strategy == "fedavg":
@@ -284,7 +285,8 @@ def _semi_async_quota(arms: list[Arm]) -> None:
         elif arm.strategy == "fedbuff":
             assert set(replies) == {arm.get("loop.buffer_k")}, arm.label
         else:
-            assert replies == arm.column("quota_k"), arm.label
+            merged = [r - u for r, u in zip(replies, arm.column("undrafted"), strict=True)]
+            assert merged == arm.column("quota_k"), arm.label
             assert all(lag in arm.get("strategy.lags") for lag in arm.column("lag_tolerance"))
 
 

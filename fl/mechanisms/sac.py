@@ -12,6 +12,13 @@ be as reproducible as the rest of a run: every random draw (initial weights, act
 replay batches) comes from one `torch.Generator` seeded by the caller, nothing reads
 torch's global generator, and `state_dict()` holds the networks, optimisers, replay
 buffer and generator as tensors and plain containers (loadable with `weights_only`).
+
+Files: `save` writes the whole agent (to go on training it in a later run), `save_policy`
+the actor alone (to act with, `GreedyPolicy`). A file read back is untrusted: loaded with
+`weights_only` from a regular file only, every tensor checked for its kind, shape and
+finiteness against the agent it is loaded into, and the optimisers' hyper-parameters kept
+from the caller's config (only their moments are read); any fault is one `AgentFileError`
+line.
 """
 
 from __future__ import annotations
@@ -19,14 +26,34 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["ReplayBuffer", "SACConfig", "SACDiscrete"]
+from fl.common.errors import RunError
+from fl.common.files import open_regular
+
+__all__ = [
+    "AgentFileError",
+    "GreedyPolicy",
+    "ReplayBuffer",
+    "SACConfig",
+    "SACDiscrete",
+    "check_agent_file",
+]
+
+AGENT_KIND = "sac-discrete-agent"  # the whole agent: networks, optimisers, buffer, generator
+POLICY_KIND = "sac-discrete-policy"  # the actor alone
+
+
+class AgentFileError(RunError, ValueError):
+    """An agent or policy file that cannot be used, for the reason its one line states."""
 
 
 @dataclass(frozen=True)
@@ -45,23 +72,31 @@ class SACConfig:
 
 
 class ReplayBuffer:
-    """A ring buffer of transitions (s, a, r, s') held as preallocated tensors."""
+    """A ring buffer of transitions (s, a, r, s', d) held as preallocated tensors; d = 1
+    marks an episode's last transition (no value beyond it)."""
 
     def __init__(self, capacity: int, state_dim: int) -> None:
         self.states = torch.zeros(capacity, state_dim)
         self.actions = torch.zeros(capacity, dtype=torch.int64)
         self.rewards = torch.zeros(capacity)
         self.next_states = torch.zeros(capacity, state_dim)
+        self.dones = torch.zeros(capacity)
         self.size = 0
         self.position = 0
 
     def add(
-        self, state: torch.Tensor, action: int, reward: float, next_state: torch.Tensor
+        self,
+        state: torch.Tensor,
+        action: int,
+        reward: float,
+        next_state: torch.Tensor,
+        done: bool = False,
     ) -> None:
         """Store one transition, overwriting the oldest once full."""
         i = self.position
         self.states[i], self.actions[i] = state, action
         self.rewards[i], self.next_states[i] = reward, next_state
+        self.dones[i] = float(done)
         self.position = (i + 1) % len(self.actions)
         self.size = min(self.size + 1, len(self.actions))
 
@@ -73,6 +108,7 @@ class ReplayBuffer:
             "actions": self.actions[index],
             "rewards": self.rewards[index],
             "next_states": self.next_states[index],
+            "dones": self.dones[index],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -83,6 +119,7 @@ class ReplayBuffer:
             "actions": self.actions[:n].clone(),
             "rewards": self.rewards[:n].clone(),
             "next_states": self.next_states[:n].clone(),
+            "dones": self.dones[:n].clone(),
             "position": self.position,
         }
 
@@ -91,6 +128,7 @@ class ReplayBuffer:
         n = len(state["actions"])
         self.states[:n], self.actions[:n] = state["states"], state["actions"]
         self.rewards[:n], self.next_states[:n] = state["rewards"], state["next_states"]
+        self.dones[:n] = state.get("dones", 0.0)  # (checkpoints from before episodes: none)
         self.size, self.position = n, int(state["position"])
 
 
@@ -144,10 +182,15 @@ class SACDiscrete:
         return int(torch.multinomial(probs[0], 1, generator=self.generator))
 
     def remember(
-        self, state: torch.Tensor, action: int, reward: float, next_state: torch.Tensor
+        self,
+        state: torch.Tensor,
+        action: int,
+        reward: float,
+        next_state: torch.Tensor,
+        done: bool = False,
     ) -> None:
-        """Add one transition to the replay buffer."""
-        self.buffer.add(state, action, reward, next_state)
+        """Add one transition to the replay buffer (`done`: the episode's last)."""
+        self.buffer.add(state, action, reward, next_state, done)
 
     def update(self) -> dict[str, float] | None:
         """One gradient step on a replay batch; None until the buffer holds a batch."""
@@ -157,12 +200,13 @@ class SACDiscrete:
 
     def critic_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Σ_j mean (Q_j(s, a) − y)² with the soft target
-        y = r + γ Σ_a' π(a'|s') [min_j Q̄_j(s', a') − α log π(a'|s')]."""
+        y = r + γ (1 − d) Σ_a' π(a'|s') [min_j Q̄_j(s', a') − α log π(a'|s')]."""
         with torch.no_grad():
             probs, log_probs = self.policy(batch["next_states"])
             next_q = torch.min(*(t(batch["next_states"]) for t in self.targets))
             soft_value = (probs * (next_q - self.alpha * log_probs)).sum(-1)
-            target = batch["rewards"] + self.config.gamma * soft_value
+            ongoing = 1 - batch.get("dones", 0.0)  # (a batch built without them: no ends)
+            target = batch["rewards"] + self.config.gamma * soft_value * ongoing
         actions = batch["actions"].unsqueeze(-1)
         losses = [
             F.mse_loss(c(batch["states"]).gather(-1, actions).squeeze(-1), target)
@@ -232,3 +276,191 @@ class SACDiscrete:
         self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.buffer.load_state_dict(state["buffer"])
         self.generator.set_state(state["generator"])
+
+    # ----- files ----------------------------------------------------------------------
+    def save(self, path: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+        """Write the whole agent to `path` (atomically); `meta`: what the caller's actions
+        mean, checked on load (ASFL: its action grid)."""
+        _write(path, AGENT_KIND, self.config, meta, self.state_dict())
+
+    def save_policy(self, path: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+        """Write the actor alone to `path` (atomically): the policy `GreedyPolicy` loads."""
+        _write(path, POLICY_KIND, self.config, meta, copy.deepcopy(self.actor.state_dict()))
+
+    def load(self, path: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+        """Continue from the agent `save` wrote to `path`: every part checked first, the
+        optimisers' moments read but their hyper-parameters kept from this config."""
+        state = _read(path, (AGENT_KIND,), self.config, meta)
+        own = self.state_dict()
+        check = _Checker(path)
+        if not isinstance(state, dict) or set(state) != set(own):
+            raise check.error("not an agent's state")
+        for name in ("actor", "critics", "targets", "log_alpha"):
+            check.like(state[name], own[name], name)
+        optimizers = {
+            "actor_optimizer": self.actor_optimizer,
+            "critic_optimizer": self.critic_optimizer,
+            "alpha_optimizer": self.alpha_optimizer,
+        }
+        for name, optimizer in optimizers.items():
+            moments = check.adam(state[name], optimizer, name)
+            state[name] = {"state": moments, "param_groups": own[name]["param_groups"]}
+        check.buffer(state["buffer"], self.config)
+        check.like(state["generator"], own["generator"], "generator")
+        try:
+            self.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise check.error(_first_line(err)) from None
+
+
+class GreedyPolicy:
+    """A trained actor that acts greedily: the most probable action at each state, with
+    no sampling and no learning (evaluating a policy, not exploring with it)."""
+
+    def __init__(self, config: SACConfig) -> None:
+        self.actor = _network(config, torch.Generator())  # weights replaced by `load`
+
+    @classmethod
+    def load(
+        cls, path: str | Path, config: SACConfig, meta: Mapping[str, Any] | None = None
+    ) -> GreedyPolicy:
+        """The actor of a policy file (`save_policy`) or of an agent file (`save`)."""
+        body = _read(path, (POLICY_KIND, AGENT_KIND), config, meta)
+        whole = isinstance(body, Mapping) and {"actor", "buffer"} <= body.keys()
+        actor = body["actor"] if whole else body  # an agent file's actor, or a policy file
+        policy = cls(config)
+        _Checker(path).like(actor, policy.actor.state_dict(), "actor")
+        policy.actor.load_state_dict(actor)  # checked: the actor's own keys and shapes
+        return policy
+
+    def act(self, state: torch.Tensor) -> int:
+        """The action of highest probability at `state` (ties: the lowest index)."""
+        with torch.no_grad():
+            return int(self.actor(state.unsqueeze(0))[0].argmax())
+
+
+def check_agent_file(path: Path, config: SACConfig, meta: Mapping[str, Any] | None) -> None:
+    """A file to start an agent from and save it back to: a usable agent where one is,
+    else a directory to write it in."""
+    if path.exists() or path.is_symlink():
+        SACDiscrete(config, 0).load(path, meta)
+    elif not path.parent.is_dir():
+        raise AgentFileError(f"agent file {path}: its directory does not exist")
+
+
+def _sizes(config: SACConfig) -> dict[str, int]:
+    """What fixes the networks' shapes."""
+    return {
+        "state_dim": config.state_dim,
+        "num_actions": config.num_actions,
+        "hidden": config.hidden,
+    }
+
+
+def _write(
+    path: str | Path, kind: str, config: SACConfig, meta: Mapping[str, Any] | None, body: Any
+) -> None:
+    """`body` under a header of its kind, sizes and meta, written to a temporary file that
+    then replaces `path`, so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    payload = {"kind": kind, "sizes": _sizes(config), "meta": dict(meta or {}), "body": body}
+    with tmp.open("wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read(
+    path: str | Path, kinds: tuple[str, ...], config: SACConfig, meta: Mapping[str, Any] | None
+) -> Any:
+    """The body of a file of one of `kinds` saved for these sizes and meta."""
+    check = _Checker(path)
+    try:
+        with open_regular(path) as f:
+            payload = torch.load(f, weights_only=True)
+    except Exception as err:  # a missing file, a FIFO, a pickle with code: one line each
+        raise check.error(f"cannot be read: {_first_line(err)}") from None
+    if not isinstance(payload, dict) or payload.get("kind") not in kinds:
+        raise check.error(f"not a file of kind {' or '.join(kinds)}")
+    if payload.get("sizes") != _sizes(config):
+        raise check.error(f"saved for {payload.get('sizes')}, this run needs {_sizes(config)}")
+    if payload.get("meta") != dict(meta or {}):
+        raise check.error(f"saved for {payload.get('meta')}, this run has {dict(meta or {})}")
+    return payload.get("body")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+class _Checker:
+    """Kind, shape and finiteness checks of a loaded file's parts against the live agent's."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+
+    def error(self, reason: str) -> AgentFileError:
+        return AgentFileError(f"agent file {self.path}: {reason}")
+
+    def like(self, value: Any, template: Any, where: str) -> None:
+        """`value` has `template`'s structure: the same keys, tensors of the same dtype and
+        shape (floating ones finite), numbers where it has numbers."""
+        if isinstance(template, torch.Tensor):
+            ok = isinstance(value, torch.Tensor) and value.dtype == template.dtype
+            if not ok or value.shape != template.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise self.error(f"{where} is {shape}, expected {tuple(template.shape)}")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise self.error(f"{where} has NaN or Inf values")
+        elif isinstance(template, Mapping):
+            if not isinstance(value, Mapping) or set(value) != set(template):
+                raise self.error(f"{where} does not have the expected entries")
+            for key in template:
+                self.like(value[key], template[key], f"{where}.{key}")
+        elif isinstance(template, int | float) and not _is_number(value):
+            raise self.error(f"{where} is not a number")
+
+    def adam(self, saved: Any, optimizer: torch.optim.Optimizer, where: str) -> dict[Any, Any]:
+        """The per-parameter moments of a saved Adam state: none (never stepped) or, for
+        every parameter, a step count and two moments of its shape."""
+        moments = saved.get("state") if isinstance(saved, Mapping) else None
+        if not isinstance(moments, Mapping):
+            raise self.error(f"{where} has no optimiser state")
+        if not moments:
+            return {}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        template = {
+            i: {"step": torch.zeros(()), "exp_avg": p.detach(), "exp_avg_sq": p.detach()}
+            for i, p in enumerate(params)
+        }
+        self.like(moments, template, f"{where}.state")
+        return dict(moments)
+
+    def buffer(self, saved: Any, config: SACConfig) -> None:
+        """Transitions of the agent's sizes, no more than it holds, actions in range."""
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("actions"), torch.Tensor):
+            raise self.error("buffer does not have the expected entries")
+        n = len(saved["actions"])
+        if n > config.buffer_size:
+            raise self.error(f"buffer holds {n} transitions, more than {config.buffer_size}")
+        template = {
+            "states": torch.zeros(n, config.state_dim),
+            "actions": torch.zeros(n, dtype=torch.int64),
+            "rewards": torch.zeros(n),
+            "next_states": torch.zeros(n, config.state_dim),
+            "dones": torch.zeros(n),
+            "position": 0,
+        }
+        self.like(saved, template, "buffer")
+        actions, position = saved["actions"], saved["position"]
+        if n and not bool(((actions >= 0) & (actions < config.num_actions)).all()):
+            raise self.error("buffer holds actions out of range")
+        if not isinstance(position, int) or not 0 <= position < max(config.buffer_size, 1):
+            raise self.error(f"buffer position {position!r} is out of range")

@@ -10,7 +10,9 @@ closes and which arrived replies the strategy aggregates:
   land in a later round, stale).
 - `semi_async`: `clients_per_round` nodes stay in flight; a round closes at the
   `buffer_k`-th arrival from any round; nodes still training keep going and are not
-  asked again until their reply lands.
+  asked again until their reply lands, unless the strategy has them cancelled at a
+  round's start (`cancel`: SAFA's forced resync). A strategy may name a reserve whose
+  arrivals count toward the close only where the others cannot fill it (SAFA's CFCFM).
 - `groups`: nodes form fixed groups (partition p in group p mod G) with their own
   timelines; every idle group is dispatched, and a round closes when a group has
   fully arrived (R2SP-style overlapping timelines on the shared server link). A
@@ -31,7 +33,7 @@ fields. The work bounds the clock charges (`WorkBounds`) are the driver's input.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -190,6 +192,20 @@ class RoundDriver:
     def _group(self, node: int) -> int:
         return self.partitions[node] % self.settings.groups
 
+    def in_flight(self) -> dict[int, int]:
+        """Nodes whose reply has not arrived, each with the round it was sent in."""
+        return {n: f.sent_round for n, f in self.flights.items() if f.arrived_s is None}
+
+    def cancel(self, nodes: Iterable[int]) -> list[int]:
+        """Stop the work of those `nodes` still in flight (others are ignored): they are
+        idle again, so they may be asked anew; returned in partition order."""
+        flying = self.in_flight()
+        gone = sorted({n for n in nodes if n in flying}, key=self.partitions.__getitem__)
+        for node in gone:
+            self._cancel(node)
+            del self.flights[node]
+        return gone
+
     # ----- dispatch ---------------------------------------------------------------------
     def dispatch(
         self,
@@ -288,12 +304,15 @@ class RoundDriver:
         dispatched: int,
         missing: list[int],
         buffer_k: int | None = None,
+        reserve: Collection[int] = (),
     ) -> Landed:
         """Advance the clock to this round's close; return what lands in it.
 
         `missing`: nodes asked this round that sent no reply. A sync round still waits
         for them until its deadline (the server cannot know they will not come).
         `buffer_k`: the strategy's own semi-async close for this round, if it sets one.
+        `reserve`: nodes whose arrivals land but count toward the close only as far as the
+        other nodes, landed or in flight, fall short of it (`_counted`).
         """
         kind = self.settings.kind
         timed = self.timed or self.real is not None  # real waits are always bounded
@@ -301,6 +320,7 @@ class RoundDriver:
         landed: list[Flight] = []
         given_up = list(missing)
         target = self._target(dispatched, len(missing), buffer_k)
+        reserve = frozenset(reserve)
         arrived = [f for f in self.flights.values() if f.arrived_s is not None]  # groups
         while True:
             if kind == "groups" and (group := self._complete_group(arrived)) is not None:
@@ -308,7 +328,7 @@ class RoundDriver:
                 if self.schedule is not None:
                     self.schedule.landed(group, max(f.arrived_s or 0.0 for f in landed))
                 break
-            if kind != "groups" and len(landed) >= target:
+            if kind != "groups" and self._counted(landed, reserve, target) >= target:
                 break
             arrival = self._next_arrival(min(until, self._next_release_s()))
             if arrival is None:
@@ -379,6 +399,17 @@ class RoundDriver:
         if settings.first_k_fraction is not None:
             return math.ceil(settings.first_k_fraction * dispatched)
         return len(self.flights) + missing
+
+    def _counted(self, landed: list[Flight], reserve: Collection[int], target: int) -> int:
+        """Arrivals that count toward the close: every one from outside `reserve`, and of
+        the reserve's, in arrival order, as many as the others (landed, or still in flight
+        and so still able to land) fall short of `target` (SAFA's compensatory top-up)."""
+        if not reserve:
+            return len(landed)
+        preferred = sum(f.node not in reserve for f in landed)
+        flying = sum(f.arrived_s is None and n not in reserve for n, f in self.flights.items())
+        shortfall = max(target - preferred - flying, 0)
+        return preferred + min(len(landed) - preferred, shortfall)
 
     def _complete_group(self, arrived: list[Flight]) -> int | None:
         """The group whose members have all arrived first (ties: lowest group)."""

@@ -15,13 +15,16 @@ the server knows (`bound_examples`, set by the round loop from the partition siz
 update beyond `max_update_norm` is rejected or clipped (`update_norm_policy`), and the
 aggregation rule is pluggable (`fl.mechanisms.robust.Aggregator`: mean, median, trimmed mean,
 Krum, Multi-Krum, Bulyan), so one client cannot decide the global model.
+
+Why one module: the hooks and the kernel methods act on one object's state (global
+vector, layout, round stats, nonces); split apart, each would reach into the other's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, final
 
 import numpy as np
@@ -471,6 +474,16 @@ class ServerStrategy(FedAvg):
         """Arrivals that close this round under `semi_async` (an RL controller such as
         ASFL's picks it per round); None: the loop's `buffer_k`."""
         return None
+
+    def reserve_arrivals(self, server_round: int) -> Collection[int]:
+        """Nodes whose arrivals land but close a semi-async round only where the others
+        cannot fill `arrivals_to_close` (SAFA's CFCFM: those picked last round). None."""
+        return ()
+
+    def resync(self, server_round: int, in_flight: Mapping[int, int]) -> Collection[int]:
+        """Nodes in flight (node -> round sent) the loop cancels before this round's
+        selection, so they may be sent the current model (SAFA's forced resync). None."""
+        return ()
 
     def group_schedule(self) -> RoundRobin | None:
         """The order and start times of groups under `loop=groups` (R2SP's round-robin

@@ -27,6 +27,8 @@ ALGORITHM_HOOKS = (
     "on_round_end",
     "another_exchange",
     "arrivals_to_close",
+    "reserve_arrivals",
+    "resync",
     "group_schedule",
     "upload_parts",
     "reply_parts",
