@@ -4,7 +4,7 @@
 
 Variants: the paper's setup; DPF unlocking faster (N = 10 instead of PrivateKube's 100);
 scarce budgets (device ε ~ U(0.2, 0.3)); DPBalance with κ capped at 1.25. Writes
-`summary.md` (gains, mean and range over seeds), `results.json`, and one figure per
+`summary.md` (gains, mean and 95 % t-interval over seeds), `results.json`, and one figure per
 variant (seed 0).
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fl.run.intervals import interval
 from privacy.cli import plot
 from privacy.simulation import Workload, compare
 
@@ -33,7 +34,9 @@ BASELINES = ("dpf", "dpk", "fcfs")
 
 
 def _span(values: list[float]) -> str:
-    return f"{statistics.mean(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+    """Mean [95 % t-interval over seeds] (issue 29: a verdict carries its interval)."""
+    mean, low, high = interval(values)
+    return f"{mean:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def summary_table(results: dict[str, list[dict[str, Any]]]) -> str:
