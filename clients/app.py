@@ -30,10 +30,11 @@ from fl.net.transport.offer import OFFER
 from fl.run.apps import CohortClientApp, CohortReplies
 from fl.run.engines.carriers import (
     is_envelope,
+    keep_member_states,
     member_context,
+    member_states,
     open_envelope,
     seal_replies,
-    store_member_state,
 )
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime
@@ -255,7 +256,8 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
     where `train_cohort` can, the rest one by one as their own nodes would, each with the
     state this carrier keeps for it; one reply holding theirs."""
     members = open_envelope(envelope)
-    pairs = [(member.message, member_context(context, member)) for member in members]
+    states = member_states(context)
+    pairs = [(member.message, member_context(context, member, states)) for member in members]
     outcome = train_cohort(pairs)
     replies: list[Message | None] = []
     for (msg, member), reply in zip(pairs, outcome.replies, strict=True):
@@ -269,8 +271,8 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
                 Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(reply).__name__}: {reply}"),
                 reply_to=msg,
             )
-        store_member_state(context, member)
         replies.append(reply)
+    keep_member_states(context, states)
     return seal_replies(envelope, replies, outcome.path)
 
 

@@ -23,12 +23,13 @@ from fl.common.config import compose
 from fl.run.engines import carriers
 from fl.run.engines.carriers import (
     ENVELOPE,
+    keep_member_states,
     member_context,
+    member_states,
     open_envelope,
     open_replies,
     seal_envelope,
     seal_replies,
-    store_member_state,
 )
 from fl.run.validation import validate
 
@@ -154,17 +155,18 @@ def test_a_member_state_lives_with_its_carrier_under_its_own_node_id():
     envelope, _ = _envelope()
     carrier = Context(run_id=1, node_id=11, node_config={}, state=RecordDict(), run_config={})
     first, second, _ = open_envelope(envelope)
-    ctx = member_context(carrier, second)
+    states = member_states(carrier)
+    ctx = member_context(carrier, second, states)
     assert ctx.node_id == 12 and ctx.node_config == {"partition-id": 3, "num-partitions": 6}
     ctx.state["feedback"] = ConfigRecord({"n": 1})
-    store_member_state(carrier, ctx)
-    mine = member_context(carrier, first)
+    mine = member_context(carrier, first, states)
     mine.state["feedback"] = ConfigRecord({"n": 7})
-    store_member_state(carrier, mine)
-    assert member_context(carrier, second).state["feedback"]["n"] == 1
-    ctx = member_context(carrier, second)
+    keep_member_states(carrier, states)
+    assert member_context(carrier, second, member_states(carrier)).state["feedback"]["n"] == 1
+    states = member_states(carrier)
+    ctx = member_context(carrier, second, states)
     del ctx.state["feedback"]
-    store_member_state(carrier, ctx)  # a state emptied by the member is emptied here too
+    keep_member_states(carrier, states)  # a state emptied by the member is emptied here too
     assert list(carrier.state.keys()) == ["11/feedback"]
 
 

@@ -16,6 +16,8 @@ so a client that crashes or drops out never gets to attack.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message
@@ -27,7 +29,15 @@ from fl.common.seeding import derive_seed
 from fl.run.attacks import attack_kinds, attack_mod
 from fl.wire.records import required_record
 
-__all__ = ["InjectedCrash", "NoReply", "check_faults", "draw_fault", "fault_mod", "injects_faults"]
+__all__ = [
+    "InjectedCrash",
+    "NoReply",
+    "check_faults",
+    "draw_fault",
+    "fault_mod",
+    "group_injects",
+    "injects_faults",
+]
 
 KINDS = ("crash", "dropout", "hang")
 
@@ -53,7 +63,11 @@ def draw_fault(seed: int, server_round: int, partition: int, rates: dict[str, fl
 
 def injects_faults(run_config: dict[str, object]) -> bool:
     """Whether the run injects faults or attacks (then every message must pass the mod)."""
-    faults = run_faults(run_config)
+    return group_injects(run_faults(run_config))
+
+
+def group_injects(faults: Mapping[str, Any]) -> bool:
+    """Whether a `faults` group (as a plain dict) injects faults or attacks."""
     return any(float(faults.get(kind, 0.0)) for kind in KINDS) or bool(
         attack_kinds(faults.get("attack"))
     )

@@ -29,8 +29,8 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fl.common.config import to_run_config
-from fl.run.faults import injects_faults
+from fl.common.config import plain
+from fl.run.faults import group_injects
 from fl.wire.grids import DelegatingGrid
 
 __all__ = [
@@ -40,12 +40,13 @@ __all__ = [
     "Sealed",
     "carrier_grid",
     "is_envelope",
+    "keep_member_states",
     "member_context",
+    "member_states",
     "open_envelope",
     "open_replies",
     "seal_envelope",
     "seal_replies",
-    "store_member_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def carrier_grid(grid: Grid, cfg: DictConfig, partitions: Mapping[int, int], arr
     why_not = None
     if arrival != "virtual":
         why_not = "replies arrive as they reach the server (loop.arrival=real)"
-    elif injects_faults(dict(to_run_config(cfg))):
+    elif group_injects(plain(cfg.get("faults") or {})):
         why_not = "faults or attacks are injected message by message"
     elif cfg.transport.name != "inline":
         why_not = f"transport={cfg.transport.name} brings arrays beside each message"
@@ -97,7 +98,6 @@ class CarrierGrid(DelegatingGrid):
         by_partition = {p: node for node, p in self.partitions.items()}
         self.carriers = [by_partition[c] for c in range(min(cohorts, len(by_partition)))]
         self.num_partitions = len(by_partition)
-        self.carried = 0  # train messages answered from inside an envelope
         self.paths: tuple[str, ...] = ()  # what the last envelopes' carriers did, in words
         self._ids = itertools.count(1)
 
@@ -121,7 +121,6 @@ class CarrierGrid(DelegatingGrid):
             members, path = open_replies(reply, envelope.members)
             opened.extend(members)
             paths.append(path)
-            self.carried += sum(not m.has_error() for m in members)
         if paths and tuple(sorted(set(paths))) != self.paths:
             self.paths = tuple(sorted(set(paths)))
             log.info(
@@ -239,32 +238,36 @@ def _by_member(content: RecordDict, count: int) -> list[RecordDict]:
     return records
 
 
-def member_context(carrier: Context, member: Member) -> Context:
-    """The member's Context as its own node would hold it, its state kept by the carrier."""
-    prefix = f"{member.node}/"
-    state = RecordDict(
-        {
-            key[len(prefix) :]: record
-            for key, record in carrier.state.items()
-            if key.startswith(prefix)
-        }
-    )
+def member_states(carrier: Context) -> dict[int, RecordDict]:
+    """The members' states a carrier keeps, by node id, in one pass over its state."""
+    states: dict[int, RecordDict] = {}
+    for key, record in carrier.state.items():
+        node, slash, name = key.partition("/")
+        if slash and node.isdigit():
+            states.setdefault(int(node), RecordDict())[name] = record
+    return states
+
+
+def member_context(carrier: Context, member: Member, states: dict[int, RecordDict]) -> Context:
+    """The member's Context as its own node would hold it. Its state is the one `states`
+    (`member_states`) holds for it, so what training changes there `keep_member_states`
+    writes back."""
     return Context(
         run_id=carrier.run_id,
         node_id=member.node,
         node_config={"partition-id": member.partition, "num-partitions": member.num_partitions},
-        state=state,
+        state=states.setdefault(member.node, RecordDict()),
         run_config=carrier.run_config,
     )
 
 
-def store_member_state(carrier: Context, member: Context) -> None:
-    """Keep the member's state in the carrier's, replacing what was kept before."""
-    prefix = f"{member.node_id}/"
-    for key in [key for key in carrier.state if key.startswith(prefix)]:
+def keep_member_states(carrier: Context, states: Mapping[int, RecordDict]) -> None:
+    """Replace the members' states the carrier keeps with `states` (an emptied one: gone)."""
+    for key in [key for key in carrier.state if key.partition("/")[0].isdigit()]:
         del carrier.state[key]
-    for key, record in member.state.items():
-        carrier.state[prefix + key] = record
+    for node, state in states.items():
+        for name, record in state.items():
+            carrier.state[f"{node}/{name}"] = record
 
 
 def seal_replies(envelope: Message, replies: Sequence[Message | None], path: str) -> Message:
