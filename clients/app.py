@@ -37,7 +37,7 @@ from fl.run.engines.carriers import (
     seal_replies,
 )
 from fl.run.faults import fault_mod, injects_faults
-from fl.strategy.client import ClientHooks, ClientTime
+from fl.strategy.client import ClientHooks, ClientTime, load_instruction
 from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import decode, payload_traffic
 from fl.wire.contract import echo, mismatch_reply
@@ -194,7 +194,7 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
     hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
-    hooks.load(model, msg.content, context.state, layout)
+    load_instruction(hooks, setup.spec.name, model, msg.content, config, context.state, layout)
     hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
     per_round: dict[str, Any] = {

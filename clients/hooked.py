@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from fl.strategy.client import ClientTime
+from fl.strategy.client import ClientTime, load_instruction
 from fl.strategy.registry import get_strategy
 from fl.wire.codec import payload_traffic
 from fl.wire.contract import echo, mismatch_reply
@@ -65,7 +65,7 @@ def train_with_hooks(
     hooks = spec.client(spec.make_params(dict(params or {})))
     layout = Layout.of(model.state_dict())
     hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
-    hooks.load(model, msg.content, context.state, layout)
+    load_instruction(hooks, spec.name, model, msg.content, config, context.state, layout)
     hooks.begin(model, config, context.state)
     steps_cap = int(cast(int, config.get("local-steps", 0)))  # > 0: exactly this many
     epochs = int(cast(int, config.get("local-epochs", epochs)))

@@ -43,7 +43,7 @@ from fl.run.tracking import RunLog, clear_run, holds_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.codec import CODEC, Traffic, payload_traffic
-from fl.wire.contract import check_reply_error, stamp
+from fl.wire.contract import check_reply_error
 from fl.wire.records import required_record
 from fl.world.clock import VirtualClock, clock_from_config
 from fl.world.population import NodeIds, nodes_by_partition
@@ -104,6 +104,7 @@ def make_strategy(cfg: DictConfig) -> ServerStrategy:
         seed=cfg.seed,
         clients_per_round=cfg.clients_per_round,
         max_update_norm=float(cfg.max_update_norm),
+        strategy_name=spec.name,
         **robust_options(cfg),
     )
     return wrap_central_dp(strategy, cfg)
@@ -206,7 +207,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 strategy.give_up(driver.cancel(strategy.resync(server_round, driver.in_flight())))
             reachable = len(driver.idle(_reachable(clock, by_partition, server_round)))
             strategy.plan(driver.wanted(cfg.clients_per_round, reachable))
-            config = ConfigRecord({**privacy.train_config(), **stamp(str(cfg.strategy.name))})
+            config = ConfigRecord(privacy.train_config())  # the strategy stamps its own name
             messages = list(strategy.configure_train(server_round, arrays, config, grid))
             chosen = [partitions[m.metadata.dst_node_id] for m in messages]
             stop = stop or privacy.admit(server_round, chosen)

@@ -17,10 +17,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from fl.wire.codec import decode, encode_dense
+from fl.wire.codec import CodecError, decode, encode_dense
+from fl.wire.contract import unreadable
 from fl.wire.records import Layout
 
-__all__ = ["ClientHooks", "ClientTime", "Reply"]
+__all__ = ["ClientHooks", "ClientTime", "Reply", "load_instruction"]
 
 Reply = tuple[dict[str, ArrayRecord | ConfigRecord], dict[str, float | int]]
 
@@ -130,3 +131,20 @@ class ClientHooks:
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:
         """Encode the reply payload and add strategy metrics."""
         return encode_dense(layout.read(model), layout), {}
+
+
+def load_instruction(
+    hooks: ClientHooks,
+    strategy: str,
+    model: nn.Module,
+    content: RecordDict,
+    config: ConfigRecord,
+    state: RecordDict,
+    layout: Layout,
+) -> None:
+    """`hooks.load`; a payload this half cannot read raises a CodecError that names the
+    client's strategy and the likely mismatch of halves (`fl.wire.contract.unreadable`)."""
+    try:
+        hooks.load(model, content, state, layout)
+    except CodecError as err:
+        raise CodecError(unreadable(err, content, config, strategy)) from None

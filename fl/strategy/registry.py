@@ -21,6 +21,7 @@ from typing import get_type_hints
 from omegaconf import DictConfig
 
 from fl.common.config import ConfigError, has_type, plain, require, type_name
+from fl.strategy.names import name_params
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -61,12 +62,49 @@ class StrategySpec:
 
 
 def register(name: str, *, server: type, client: type, params: type) -> StrategySpec:
-    """Add a strategy under `name` and return its spec (modules assign it to `STRATEGY`)."""
-    if not dataclasses.is_dataclass(params):
-        raise TypeError(f"params of strategy {name!r} must be a dataclass")
+    """Add a strategy under `name` and return its spec (modules assign it to `STRATEGY`).
+
+    The halves are checked here, not at the first kernel call of a run: a server half
+    must subclass `ServerStrategy` (Flower's own classes run through `strategy=flower`),
+    a client half `ClientHooks`, and params must be a dataclass."""
+    # imported here, not above: the registry stays light (no torch) for config checks, and
+    # a strategy module that calls register() has imported both halves' bases already
+    from fl.strategy.client import ClientHooks
+    from fl.strategy.server import ServerStrategy
+
+    if not isinstance(server, type) or not issubclass(server, ServerStrategy):
+        raise TypeError(_not_a_server(name, server))
+    if not isinstance(client, type) or not issubclass(client, ClientHooks):
+        raise TypeError(
+            f"strategy {name!r}: client={_qualname(client)} is not a subclass of "
+            "fl.strategy.client.ClientHooks (the client half: override only the hooks "
+            "that differ from FedAvg's; docs/STRATEGIES.md)"
+        )
+    if not isinstance(params, type) or not dataclasses.is_dataclass(params):
+        raise TypeError(f"strategy {name!r}: params={_qualname(params)} must be a dataclass")
     spec = StrategySpec(name, server, client, params)
     _REGISTRY[name] = spec
+    name_params(params, name)
     return spec
+
+
+def _qualname(thing: object) -> str:
+    return getattr(thing, "__qualname__", repr(thing))
+
+
+def _not_a_server(name: str, server: object) -> str:
+    """Why `server` cannot be a server half, pointing a Flower class to the adapter."""
+    from flwr.serverapp.strategy import Strategy
+
+    what = f"strategy {name!r}: server={_qualname(server)} is not a subclass of "
+    what += "fl.strategy.server.ServerStrategy"
+    if isinstance(server, type) and issubclass(server, Strategy):
+        return (
+            f"{what}; it is a Flower strategy: run it through our adapter with "
+            f"`fl-run strategy=flower strategy.flower_class={server.__name__}` "
+            "(its arguments as +strategy.kwargs.NAME=VALUE), or subclass ServerStrategy"
+        )
+    return f"{what} (a server half: override only the hooks that differ; docs/STRATEGIES.md)"
 
 
 def _discovered() -> dict[str, Any]:
@@ -84,7 +122,18 @@ def get_strategy(name: str) -> StrategySpec:
         entry = _discovered().get(name)
         if entry is None:
             raise ValueError(f"unknown strategy {name!r}; available: {available()}")
-        spec = entry.load()
+        try:
+            spec = entry.load()
+        except Exception as err:  # a plugin's import error, or a class register() refused
+            raise ValueError(
+                f"strategy {name!r}: its entry point {entry.value} does not load: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if not isinstance(spec, StrategySpec):
+            raise ValueError(
+                f"strategy {name!r}: its entry point {entry.value} is a "
+                f"{type(spec).__name__}, not the StrategySpec that register() returns"
+            )
         _REGISTRY.setdefault(name, spec)
     return _REGISTRY[name]
 

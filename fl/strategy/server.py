@@ -37,6 +37,7 @@ from fl.common.checkpointable import check_state_kind
 from fl.common.seeding import derive_seed
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
+from fl.strategy.names import strategy_of
 from fl.strategy.surface import ALGORITHM_HOOKS, KERNEL_METHODS, refuse_kernel_overrides
 from fl.strategy.updates import (
     ClientUpdate,
@@ -47,7 +48,7 @@ from fl.strategy.updates import (
     reply_limit,
 )
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
-from fl.wire.contract import NONCE_KEY
+from fl.wire.contract import CONTRACT_MISMATCH, NONCE_KEY, check_reply_error, stamp
 from fl.wire.records import Layout, new_record, record_of, vector_to_arrays
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
@@ -103,11 +104,15 @@ class ServerStrategy(FedAvg):
         max_payload_bytes: float | None = None,
         aggregator: Aggregator | None = None,
         update_norm_policy: str = "reject",
+        strategy_name: str | None = None,
     ) -> None:
         super().__init__(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
         if update_norm_policy not in NORM_POLICIES:
             raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}")
         self.params = params
+        # the name every instruction carries (fl.wire.contract), so that a ClientApp running
+        # another strategy's half refuses it; by default the strategy that registered params
+        self.strategy_name = strategy_name or strategy_of(params)
         self.seed = seed
         self.clients_per_round = clients_per_round
         self.max_update_norm = max_update_norm
@@ -225,7 +230,8 @@ class ServerStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One train message per selected node, each with its own config and payload."""
+        """One train message per selected node, each with its own config and payload,
+        stamped with this strategy's name and contract version (`fl.wire.contract`)."""
         if self.layout is None:
             self.layout = Layout.of(arrays.to_torch_state_dict())
         self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
@@ -249,6 +255,7 @@ class ServerStrategy(FedAvg):
                 ConfigRecord,
                 {
                     **config,
+                    **(stamp(self.strategy_name) if self.strategy_name else {}),
                     "server-round": server_round,
                     NONCE_KEY: nonce,
                     **self.extra_config(node_id),
@@ -363,12 +370,20 @@ class ServerStrategy(FedAvg):
         """Replies that decode and validate; the rest are logged and counted, never used.
 
         The sync protocol learns which version each client now holds: an accepted reply
-        confirms it, a failed or rejected one (and a node given up on) is resynced.
+        confirms it, a failed or rejected one (and a node given up on) is resynced. When
+        every reply says its ClientApp runs another strategy's half, nothing can ever train:
+        `ContractMismatch` stops the run, whichever loop drives it (ours, or Flower's own
+        `Strategy.start`, which would otherwise go on with empty rounds).
         """
         updates = []
+        delivered = 0
+        mismatched: list[Message] = []
         for reply in replies:
             node = reply.metadata.src_node_id
             self.stats.delivered.append(node)
+            delivered += 1
+            if reply.has_error() and reply.error.code == CONTRACT_MISMATCH:
+                mismatched.append(reply)
             if reply.has_error():
                 self.stats.failed += 1
                 log.warning("node %d failed: %s", node, reply.error.reason)
@@ -387,6 +402,8 @@ class ServerStrategy(FedAvg):
                 info = self.reply_info.get(node)
                 sent = info.sent_round if info is not None else self.sync.current
                 self.sync.confirm(node, sent)
+        if delivered and len(mismatched) == delivered:
+            check_reply_error(mismatched[0])
         self._normalise_unbounded(updates)
         self.stats.accepted += len(updates)
         self.stats.updates.extend(updates)

@@ -6,7 +6,10 @@ instruction, train, and reply with something the server cannot decode, round aft
 round. So every instruction from our loop names its strategy and the contract version; a
 ClientApp whose half differs replies with a `CONTRACT_MISMATCH` error naming both sides,
 and the server stops the run with that error (`fl.common.errors.RunError`, a non-zero exit).
-An instruction without these keys (a stock Flower ServerApp) is accepted as it is.
+An instruction without these keys (a stock Flower ServerApp) is accepted as it is; if its
+payload then turns out unreadable by this client half, the error says which strategy the
+client runs and what the server sent (`unreadable`), since mismatched halves are the
+likely cause.
 
 Each instruction also carries a nonce (`NONCE_KEY`) that our ClientApps echo in their
 reply's metrics (`echo`): the kernel accepts a reply only as the answer to the
@@ -20,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import Error, Message
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fl.common.errors import RunError
+from fl.wire.codec import CODEC
+from fl.wire.sync import SYNC
 
 __all__ = [
     "CONTRACT_MISMATCH",
@@ -33,6 +38,7 @@ __all__ = [
     "echo",
     "mismatch_reply",
     "stamp",
+    "unreadable",
 ]
 
 # Bump when the train instruction/reply format between the halves changes incompatibly.
@@ -73,3 +79,21 @@ def check_reply_error(reply: Message) -> None:
     if reply.has_error() and reply.error.code == CONTRACT_MISMATCH:
         node = reply.metadata.src_node_id
         raise ContractMismatch(f"node {node}: {reply.error.reason}; the run is stopped")
+
+
+def unreadable(
+    err: Exception, content: RecordDict, config: Mapping[str, Any], strategy: str
+) -> str:
+    """Why this ClientApp (running `strategy`) cannot read an instruction's payload: `err`,
+    and, for an instruction that names no strategy, the likely cause (another server half)."""
+    if STRATEGY_KEY in config:  # stamped, and the same strategy (else refused before)
+        return f"{err} (strategy={strategy}, contract {CONTRACT_VERSION})"
+    codec = content.get(CODEC)
+    kind = str(codec.get("name", "dense")) if isinstance(codec, ConfigRecord) else "dense"
+    synced = " with synced client state" if SYNC in content else ""
+    return (
+        f"{err}: the server sent a {kind!r} payload{synced} that this ClientApp's half of "
+        f"strategy={strategy} cannot read; its instruction names no strategy ({STRATEGY_KEY}), "
+        "so its server half probably runs another strategy: run both halves with the same "
+        "strategy (our ServerStrategy stamps its name; docs/STRATEGIES.md, contract version)"
+    )
