@@ -144,13 +144,15 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
 def _group_options(group: str) -> list[str] | None:
     """The options of config group `group` (`strategy`, `experiment/asfl_arm`) in conf/ and
     in strategy plugins' conf/; None if no such group."""
-    from hydra_plugins.adaptive_fl import plugin_conf_dirs
+    from hydra_plugins.adaptive_fl import plugin_conf_dirs, strategy_names
 
     folders = [root / group for root in (CONF_DIR, *plugin_conf_dirs())]
     folders = [f for f in folders if f.is_dir()]
     if not folders:
         return None
-    return sorted({p.stem for f in folders for p in f.glob("*.yaml")})
+    # an installed strategy without its yaml is an option too (its params' defaults)
+    installed = strategy_names() if group == "strategy" else []
+    return sorted({p.stem for f in folders for p in f.glob("*.yaml")} | set(installed))
 
 
 def _check_choices(argv: list[str]) -> None:

@@ -7,18 +7,37 @@ module under the `hydra_plugins` namespace package and asks each SearchPathPlugi
 config roots; this one appends those `conf/` folders after the project's own `conf/`,
 so `fl-run strategy=my_algo` finds the plugin's file with no extra step, and the
 project's own files win a name clash.
+
+An installed strategy with no `strategy/NAME.yaml` anywhere (a package that left its
+package data out) is not refused as "no such option": its params dataclass's defaults
+become the config group's option (Hydra's ConfigStore, after every folder), with one
+warning naming the file that is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
-from importlib.metadata import entry_points
+import logging
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.config_store import ConfigStore
 from hydra.plugins.search_path_plugin import SearchPathPlugin
+from omegaconf import MISSING, OmegaConf
 
-__all__ = ["StrategyConfigSearchPath", "plugin_conf_dirs"]
+__all__ = [
+    "StrategyConfigSearchPath",
+    "default_strategy_config",
+    "plugin_conf_dirs",
+    "strategy_names",
+    "without_config",
+]
+
+log = logging.getLogger(__name__)
 
 # fl.strategy.registry.ENTRY_POINT_GROUP, not imported: keep Hydra's scan light
 GROUP = "fl.strategies"
@@ -41,9 +60,70 @@ def plugin_conf_dirs() -> list[Path]:
     return found
 
 
+def strategy_names() -> list[str]:
+    """Names of the installed strategies (entry points), none of them imported."""
+    return sorted({entry.name for entry in entry_points(group=GROUP)})
+
+
+def without_config() -> list[EntryPoint]:
+    """Installed strategies with no `strategy/NAME.yaml` in our conf/ or any plugin's."""
+    roots = [PROJECT_CONF, *plugin_conf_dirs()]
+    return [
+        entry
+        for entry in entry_points(group=GROUP)
+        if not any((root / "strategy" / f"{entry.name}.yaml").is_file() for root in roots)
+    ]
+
+
+def default_strategy_config(entry: EntryPoint) -> dict[str, Any]:
+    """`name` and the params dataclass's defaults (a field without one is required: ???).
+    Only `name` where the entry point does not load: the run's validation says why."""
+    config: dict[str, Any] = {"name": entry.name}
+    try:
+        params = entry.load().params
+        for field in dataclasses.fields(params):
+            if field.default is not dataclasses.MISSING:
+                config[field.name] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                config[field.name] = field.default_factory()
+            else:
+                config[field.name] = MISSING
+        OmegaConf.create(config)  # every default must be a config value
+    except Exception:  # an import error, a class register() refused, an odd default
+        return {"name": entry.name}
+    return config
+
+
+def _expected_yaml(entry: EntryPoint) -> str:
+    """Where the plugin's config file belongs: conf/strategy/NAME.yaml beside its module."""
+    try:
+        spec = importlib.util.find_spec(entry.module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        return f"conf/strategy/{entry.name}.yaml beside module {entry.module}"
+    return str(Path(spec.origin).resolve().parent / "conf" / "strategy" / f"{entry.name}.yaml")
+
+
+@functools.cache
+def _store_defaults(names: tuple[str, ...]) -> None:
+    """Each config-less strategy's defaults as option `strategy/NAME` (once per process)."""
+    store = ConfigStore.instance()
+    for entry in without_config():
+        if entry.name in names:
+            log.warning(
+                "strategy %s: no %s (package data left out?): using its params' defaults",
+                entry.name,
+                _expected_yaml(entry),
+            )
+            store.store(group="strategy", name=entry.name, node=default_strategy_config(entry))
+
+
 class StrategyConfigSearchPath(SearchPathPlugin):
-    """Adds every strategy plugin's `conf/` to Hydra's config search path."""
+    """Adds every strategy plugin's `conf/` to Hydra's config search path, and a default
+    config for an installed strategy that ships none."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         for conf in plugin_conf_dirs():
             search_path.append(provider="fl-strategy-plugin", path=f"file://{conf}")
+        _store_defaults(tuple(sorted(entry.name for entry in without_config())))
