@@ -7,20 +7,28 @@ scalars APF would call stable (P < T_s). Scalars that converge smoothly have P n
 and never freeze, whatever the threshold; zig-zagging ones have P near 0.
 
     .venv/bin/python experiments/apf_stability_probe.py lr=0.05 rounds=300 local_steps=10
+    .venv/bin/python experiments/apf_stability_probe.py --window 50 --out DIR rounds=100
+
+Its run's files go to a new temporary folder unless `--out DIR` (a new folder) is given.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import tempfile
 
 import torch
 
-from fl.common.config import compose, to_run_config
-from fl.run.engines.local import run_local
-from fl.run.validation import validate
-from fl.strategy.client import ClientHooks
-from fl.strategy.registry import register
-from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.api import (
+    ClientHooks,
+    ClientUpdate,
+    ServerStrategy,
+    compose,
+    register,
+    run_local,
+    to_run_config,
+    validate,
+)
 from strategies.fedavg import FedAvgParams
 
 HISTORY: list[torch.Tensor] = []
@@ -56,16 +64,22 @@ def report(history: list[torch.Tensor], window: int, threshold: float) -> dict[s
     }
 
 
-def main(overrides: list[str]) -> None:
-    cfg = compose(["strategy=fedavg", "progress=false", "output_dir=/tmp/apf_probe", *overrides])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--window", type=int, default=100, help="rounds reported (last N)")
+    parser.add_argument("--out", help="a new folder for the run's files (default: a temp one)")
+    parser.add_argument("overrides", nargs="*", help="fl-run overrides, e.g. lr=0.05 rounds=300")
+    args = parser.parse_args(argv)
+    out = args.out or tempfile.mkdtemp(prefix="apf_probe-")
+    cfg = compose(["strategy=fedavg", "progress=false", f"output_dir={out}", *args.overrides])
     cfg.strategy.name = "fedavg_recording"
     validate(cfg)
     run_local(cfg, to_run_config(cfg))
-    window = min(100, len(HISTORY) - 1)
-    print(f"over the last {window} rounds ({' '.join(overrides)}):")
+    window = min(args.window, len(HISTORY) - 1)
+    print(f"over the last {window} rounds ({' '.join(args.overrides)}):")
     for key, value in report(HISTORY, window, 0.05).items():
         print(f"  {key:>22}: {value:.3f}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -123,7 +123,10 @@ def seeds_table(sweeps: list[Path], target: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--seeds":
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if argv[0] == "--seeds":
         numbers = [a for a in argv[1:] if not Path(a).is_dir()]
         sweeps = [Path(a) for a in argv[1:] if Path(a).is_dir()]
         print(seeds_table(sweeps, float(numbers[0]) if numbers else 0.95))

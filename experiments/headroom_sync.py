@@ -326,7 +326,7 @@ def stable_table(shares: dict[str, list[float]], window: dict[str, float]) -> st
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("sync", "stable"):
         print(__doc__)
-        return 2
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "sync":
         print(sync_table(*_sync_args(argv[1:])))
         return 0

@@ -5,7 +5,8 @@ ClientApp trains a model it builds itself with `clients.hooked.train_with_hooks`
 applies APF's hooks (synced model and mask, roll-back of frozen scalars, masked reply).
 Nothing here uses our Hydra config, engines or round loop.
 
-    python -m examples.apf_app.simulate    # Flower's simulation (Ray), 4 nodes, 3 rounds
+    python -m examples.apf_app.simulate           # Flower's simulation (Ray), 4 nodes, 3 rounds
+    python -m examples.apf_app.simulate --local   # the same apps on our in-process grid, no Ray
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from sklearn.datasets import load_digits
@@ -23,8 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.hooked import train_with_hooks
-from fl.strategy.registry import get_strategy
-from fl.wire.contract import stamp
+from fl.api import get_strategy
 
 __all__ = ["clientapp", "serverapp"]
 
@@ -88,11 +88,13 @@ def main(grid: Grid, context: Context) -> None:
     params = spec.make_params({"threshold": 0.5})
     strategy = spec.server(params, seed=0, clients_per_round=NODES)
     strategy.fraction_evaluate = 0.0  # the server evaluates on held-out digits instead
+    # APF's server half stamps every instruction with its name and contract version: a
+    # ClientApp running another strategy refuses it, and a round of refusals stops this loop
+    # with fl.api.ContractMismatch (one line) instead of training nothing
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(_model().state_dict()),
         num_rounds=ROUNDS,
-        train_config=ConfigRecord(stamp("apf")),  # refused by a ClientApp of another half
         evaluate_fn=_accuracy,
     )
     for server_round, metrics in sorted(result.evaluate_metrics_serverapp.items()):

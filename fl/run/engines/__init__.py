@@ -16,9 +16,11 @@ ENGINES = ("local", "flower-sim", "deployment")
 COHORT_CHOICES = ("auto", "off")  # engine.cohort of the local and flower-sim engines
 
 
-def run_engine(cfg: DictConfig, run_config: dict[str, Any], apps: Apps) -> None:
-    """Run `apps` on the configured engine to the end of training (deployment submits the
-    project's App to a SuperLink, whose nodes load the apps by their references)."""
+def run_engine(cfg: DictConfig, run_config: dict[str, Any], apps: Apps | None = None) -> None:
+    """Run `apps` (default: the project's own) on the configured engine to the end of
+    training (deployment submits the project's App to a SuperLink, whose nodes load the
+    apps by their references)."""
+    apps = apps or Apps.load()
     name = cfg.engine.name
     if name == "local":
         from fl.run.engines.local import run_local

@@ -259,8 +259,10 @@ def _state_memory_bytes(cfg: Any) -> int:
     return int(cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20) * 2**20)
 
 
-def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps) -> None:
-    """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes."""
+def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) -> None:
+    """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes
+    (default: the project's ServerApp and ClientApp, as before `apps` was added)."""
+    apps = apps or Apps.load()
     _freeze_imports()
     grid = LocalGrid(
         apps.client,
