@@ -22,6 +22,7 @@ returning client may hold stale values of frozen scalars (they are not trained o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +170,21 @@ class APFServer(ServerStrategy):
             generator = torch.Generator().manual_seed(derive_seed(self.seed, server_round))
             stability_check(self.freezing, vector, self.params, generator)
         return vector
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """Deprecated (gone with the sync protocol, restored as an alias): the mask of
+        scalars the round last sent trains, i.e. the mask published at its start."""
+        warnings.warn(
+            "APFServer.trained_mask is deprecated: the mask a round trains is the one the "
+            "sync protocol published for it, strategy.sync.versions[strategy.sync.current]"
+            "['mask']; the next round's is strategy.freezing.active (docs/API.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if self.sync is None or self.sync.current not in self.sync.versions:
+            return torch.empty(0, dtype=torch.bool)  # before the first round
+        return self.sync.versions[self.sync.current]["mask"]
 
     def diagnostics(self) -> dict[str, Any]:
         out = super().diagnostics()
