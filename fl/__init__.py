@@ -4,6 +4,7 @@
 `strategy` (the contract an algorithm implements) > `mechanisms` (what strategies
 compose) > `world` (clock, data, models, tasks) > `wire` (records, codecs, sync) >
 `common` (errors, seeds, config access). `make lint` holds the floors to this order.
+`fl.api`, above them all, names what plugins and scripts may import (docs/API.md).
 
 Importing `fl` turns off Flower's and Ray's telemetry, update checks and runtime
 dependency installation for this process and every process it starts, so nothing we

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl.strategy.client import ClientHooks
-from fl.strategy.registry import register
-from fl.strategy.server import ClientUpdate, ServerStrategy
+from fl.api import ClientHooks, ClientUpdate, ServerStrategy, register  # the public API
 
 
 @dataclass
