@@ -4,6 +4,7 @@ its params' defaults stand in, it is listed among the choices, and a broken one 
 from __future__ import annotations
 
 import shutil
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -43,19 +44,28 @@ def _fl_run(site: Path, cwd: Path, *overrides: str):
 def test_a_plugin_without_its_yaml_runs_on_its_params_defaults(site, tmp_path):
     assert not (site / PLUGIN.name / "conf").exists()
     run_dir = tmp_path / "run"
-    proc = _fl_run(site, tmp_path, f"hydra.run.dir={run_dir}", "strategy=fedavg_slr", *RUN)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    missing = site / PLUGIN.name / "conf" / "strategy" / "fedavg_slr.yaml"
-    assert f"strategy fedavg_slr: no {missing} (package data left out?)" in proc.stderr
-    config = OmegaConf.load(run_dir / "config.yaml")
-    assert config.strategy == {"name": "fedavg_slr", "server_lr": 1.0}  # SLRParams' default
-    assert [r["round"] for r in read_metrics(run_dir)] == [1, 2]
-    # its keys are the dataclass's, so they override like any yaml's
-    run_dir = tmp_path / "damped"
+    # its keys are the dataclass's, so they override like any yaml's (no `+`)
     overrides = ["strategy=fedavg_slr", "strategy.server_lr=0.8", *RUN]
     proc = _fl_run(site, tmp_path, f"hydra.run.dir={run_dir}", *overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert OmegaConf.load(run_dir / "config.yaml").strategy.server_lr == 0.8
+    missing = site / PLUGIN.name / "conf" / "strategy" / "fedavg_slr.yaml"
+    assert f"strategy fedavg_slr: no {missing} (package data left out?)" in proc.stderr
+    assert OmegaConf.load(run_dir / "config.yaml").strategy == {
+        "name": "fedavg_slr",
+        "server_lr": 0.8,
+    }
+    assert [r["round"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_the_default_config_is_the_params_dataclass(site, monkeypatch):
+    from hydra_plugins.adaptive_fl import default_strategy_config
+
+    monkeypatch.syspath_prepend(str(site))
+    value = "fl_example_plugin.fedavg_slr:STRATEGY"
+    entry = EntryPoint(name="fedavg_slr", value=value, group="fl.strategies")
+    assert default_strategy_config(entry) == {"name": "fedavg_slr", "server_lr": 1.0}
+    broken = EntryPoint(name="nowhere", value="no_such_module:STRATEGY", group="fl.strategies")
+    assert default_strategy_config(broken) == {"name": "nowhere"}  # validation says why
 
 
 def test_an_installed_strategy_is_listed_among_the_choices(site, tmp_path):
