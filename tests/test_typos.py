@@ -55,6 +55,7 @@ def test_a_key_typo_is_one_line_with_the_closest_key(argv, line):
         ["experiment=lbbsp_quick", "strategy.predictor=ema"],  # the preset's own strategy
         ["-m", "strategy=fedprox,fedprox", "strategy.mu=0.1"],
         ["+strategy.muu=0.1"],  # an addition: the strategy's own check judges it
+        ["experiment/asfl_arm=fedavg"],  # a defaults-list entry, not a key: Hydra's to judge
     ],
 )
 def test_keys_that_exist_pass(argv):

@@ -87,7 +87,7 @@ def check_override_keys(argv: list[str], groups: Iterable[str]) -> None:
     suspects = [
         key
         for prefix, key, _ in overrides
-        if prefix == "" and "@" not in key and ("." in key or key not in groups)
+        if prefix == "" and not {"@", "/"} & set(key) and ("." in key or key not in groups)
     ]
     if not suspects or any(a.startswith("~") or "(" in a for a in argv):
         return  # nothing to look up; a deletion or sweep expression is Hydra's to expand
