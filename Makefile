@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all lint bench bench-transport clean
+.PHONY: setup run test test-quick test-all lint bench bench-transport clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+test-quick: $(STAMP)  # a few minutes: contracts, smoke paths, one run of every strategy
+	$(BIN)/pytest -m quick
 
 test-all: $(STAMP)
 	$(BIN)/pytest -m ''

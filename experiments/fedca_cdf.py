@@ -54,8 +54,8 @@ def arm_table(runs: Sequence[Run]) -> str:
         cells = [
             _label(run),
             f"{hit:.2f}" if hit is not None else "not reached",
-            f"{hit / ref:.2f}" if hit is not None and ref else "-",
-            str(s.get("rounds_to_target")),
+            "not reached" if hit is None else f"{hit / ref:.2f}" if ref else "-",
+            "not reached" if s.get("rounds_to_target") is None else str(s["rounds_to_target"]),
             f"{sum(r['round_time_s'] for r in rows) / len(rows):.4f}",
             str(len(rows)),
             f"{s['final_accuracy']:.4f}",

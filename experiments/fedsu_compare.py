@@ -62,7 +62,7 @@ def table(arms: dict[str, list[dict[str, Any]]], target: float) -> str:
             f"{_traffic(end, 'payload_') / 1e6:.1f}",
             f"{_traffic(end, 'payload_') / _traffic(ref, 'payload_'):.1%}",
             str(hit["round"]) if hit else "not reached",
-            f"{_traffic(hit) / 1e6:.1f}" if hit else "-",
+            f"{_traffic(hit) / 1e6:.1f}" if hit else "not reached",
             f"{sum(shares) / len(shares):.3f}" if shares else "-",
             f"{_unsynced(end):.3f}" if shares else "-",
         ]

@@ -189,7 +189,11 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     stop: str | None = None
 
     reporter = RoundReporter(
-        cfg.rounds, progress.round, cfg.strategy.name, enabled=bool(cfg.progress)
+        cfg.rounds,
+        progress.round,
+        cfg.strategy.name,
+        enabled=bool(cfg.progress),
+        arrival=settings.arrival,  # real arrivals: the time column is wall time
     )
     budget = cfg.get("time_budget_s") or float("inf")
     for server_round in range(progress.round + 1, cfg.rounds + 1):

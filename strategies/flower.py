@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast, get_type_hints
 
@@ -203,6 +205,20 @@ def _from_state(value: Any) -> Any:
     return value
 
 
+@contextmanager
+def _quiet_flower() -> Iterator[None]:
+    """Flower's INFO lines silenced for the call: its strategy logs `Sampled 0 nodes (out
+    of 0)` and `Received N results` every round, which under our loop (a grid without
+    nodes, our own per-round table) only interleave noise; its warnings still show."""
+    flower = logging.getLogger("flwr")
+    level = flower.level
+    flower.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        flower.setLevel(level)
+
+
 def _young_gc(function: Callable[..., T], *args: Any) -> T:
     """`function(*args)` with the objects alive now exempt from garbage collection.
 
@@ -233,7 +249,8 @@ class FlowerStrategy(ServerStrategy):
         assert self.layout is not None
         arrays = vector_to_arrays(self.global_vector, self.layout)
         probe = ConfigRecord()
-        sent = self.flower.configure_train(server_round, arrays, probe, cast(Grid, _NoNodes()))
+        with _quiet_flower():
+            sent = self.flower.configure_train(server_round, arrays, probe, cast(Grid, _NoNodes()))
         assert not list(sent), "a grid without nodes gets no messages"
         self._config_keys = {k: v for k, v in probe.items() if k != "server-round"}
 
@@ -262,7 +279,8 @@ class FlowerStrategy(ServerStrategy):
             )
             for u in updates
         ]
-        arrays, _ = _young_gc(self.flower.aggregate_train, server_round, replies)
+        with _quiet_flower():
+            arrays, _ = _young_gc(self.flower.aggregate_train, server_round, replies)
         if arrays is None:  # Bulyan with fewer than 4f + 3 replies
             self.stats.skipped = True
             return self.global_vector

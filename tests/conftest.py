@@ -16,6 +16,7 @@ from typing import Any
 
 import forkrun
 import pytest
+import quick
 
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = {
@@ -147,6 +148,11 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+    for item in items:  # `make test-quick`: tests/quick.py's selection, never a slow test
+        if item.get_closest_marker("slow") is None and any(
+            quick.selects(item.nodeid, entry) for entry in quick.QUICK
+        ):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture

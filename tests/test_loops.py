@@ -105,8 +105,8 @@ def test_aggregation_time_is_charged_per_reply(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["strategy=apf", "loop=semi_async"], "strategy=apf aggregates only replies"),
-        (["strategy=pas", "local_steps=8", "loop.late=carry"], "strategy=pas aggregates"),
+        (["strategy=apf", "loop=semi_async"], "strategy=apf needs every reply in the round"),
+        (["strategy=pas", "local_steps=8", "loop.late=carry"], "strategy=pas needs every reply"),
         (["loop.first_k_fraction=1.5"], "loop.first_k_fraction"),
         (["loop=semi_async", "loop.buffer_k=99"], "loop.buffer_k"),
         (["loop.kind=async"], "loop.kind"),

@@ -1,7 +1,8 @@
 """The run machinery: from a Hydra config to a finished, resumable run folder.
 
 The `fl-run` entry point (`cli`, also `python -m fl.run`), the run's own top-level keys
-(`settings`), the dispatch of every config group's check (`validation`) and the apps it
+(`settings`), overrides of keys the config lacks, refused before Hydra's dump
+(`override_keys`), the dispatch of every config group's check (`validation`) and the apps it
 runs, loaded by reference (`apps`); the engines that run the ServerApp and ClientApp they
 are handed (`engines`); the round loops and the real arrival order (`loops`, `arrivals`);
 injected faults and attacks (`faults`, `attacks`); checkpoints and forks (`checkpoint`);

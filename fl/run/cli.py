@@ -8,6 +8,7 @@ Problems the user can fix end in one line on stderr and a non-zero exit, never a
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -26,8 +27,7 @@ import fl  # noqa: F401  (sets the offline environment before Flower is imported
 from fl.common.config import CONF_DIR, ConfigError, plain, require, to_run_config
 from fl.common.errors import RunError
 from fl.common.files import read_regular_text
-from fl.run.apps import Apps
-from fl.run.engines import run_engine
+from fl.run.override_keys import check_override_keys
 from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
 from fl.run.tracking import holds_run, refuse_existing_run
 from fl.run.validation import validate
@@ -67,6 +67,9 @@ def _main(cfg: DictConfig) -> dict[str, Any] | None:
             cfg.output_dir = str(out_dir)
             cfg.resume = forked or resume
         print(f"fl-run: run directory {out_dir}", flush=True)
+        from fl.run.apps import Apps  # Flower: only once the config has passed its checks
+        from fl.run.engines import run_engine
+
         run_engine(cfg, to_run_config(cfg), Apps.load())
     except (ConfigError, RunError) as err:
         raise SystemExit(f"fl-run: {err}") from None
@@ -168,9 +171,19 @@ def _check_choices(argv: list[str]) -> None:
             continue  # not a group, or a sweep expression (choice(...), range(...)) for Hydra
         missing = [v for v in value.split(",") if v not in options and v != "null"]
         if missing:
+            close = difflib.get_close_matches(missing[0], options, n=1)
+            hint = f"did you mean {group}={close[0]}? " if close else ""
             raise SystemExit(
-                f"fl-run: {group}={missing[0]}: no such option; choices: {', '.join(options)}"
+                f"fl-run: {group}={missing[0]}: no such option; {hint}choices: {', '.join(options)}"
             )
+
+
+def _groups() -> list[str]:
+    """The config groups (`strategy`, `task`, ...): their names select an option, not a key."""
+    from hydra_plugins.adaptive_fl import plugin_conf_dirs
+
+    roots = (CONF_DIR, *plugin_conf_dirs())
+    return sorted({d.name for root in roots for d in root.iterdir() if d.is_dir()})
 
 
 def main() -> None:
@@ -180,6 +193,7 @@ def main() -> None:
         print(f"adaptive-fl {version('adaptive-fl')} ({versions})")
         return
     _check_choices(sys.argv[1:])
+    check_override_keys(sys.argv[1:], _groups())
     sys.argv[1:] = _expand_resume_latest(sys.argv[1:])
     _main()
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,9 +26,19 @@ from typing import Any, NamedTuple
 import yaml
 
 from fl.common.files import read_regular_text
-from fl.run.intervals import interval
+from fl.run.intervals import (
+    ACCURACY,
+    DIFFERENCE,
+    NON_NEGATIVE,
+    Bounds,
+    few_seeds_warning,
+    interval,
+)
 
-__all__ = ["Run", "compare_runs", "find_runs", "load_run", "main"]
+__all__ = ["NOT_REACHED", "Run", "compare_runs", "find_runs", "load_run", "main"]
+
+log = logging.getLogger(__name__)
+NOT_REACHED = "not reached"  # a target a run never reached: one spelling in every table
 
 DIAGNOSTICS = (
     "frozen_fraction",
@@ -118,18 +130,39 @@ def _table(runs: Sequence[Run], labels: Sequence[str]) -> str:
         ]
         if to_target:
             hit = s.get("bytes_to_target")
-            cells += [str(s.get("rounds_to_target")), f"{hit / 1e6:.1f}" if hit else "not reached"]
+            rounds = s.get("rounds_to_target")
+            cells += [
+                NOT_REACHED if rounds is None else str(rounds),
+                NOT_REACHED if hit is None else f"{hit / 1e6:.1f}",
+            ]
         cells += [f"{m:.3f}" if (m := _mean(run.rows, k)) is not None else "-" for k in present]
         lines.append(_row(cells))
     return "\n".join(lines) + "\n"
 
 
-def _spread(values: Sequence[float], digits: int) -> str:
-    """Mean [95 % t-interval over seeds]; one seed has no interval."""
-    mean, low, high = interval(values)
+def _decimals(numbers: Sequence[float], digits: int) -> int:
+    """At least `digits` decimals, more where a nonzero number (a mean, an interval's width)
+    would otherwise print as 0: two significant digits of the smallest one, up to 12."""
+    small = [abs(x) for x in numbers if x != 0 and math.isfinite(x)]
+    needed = [math.ceil(-math.log10(x)) + 1 for x in small]
+    return min(max([digits, *needed]), 12)
+
+
+def _spread(
+    values: Sequence[float],
+    digits: int,
+    bounds: Bounds = NON_NEGATIVE,
+    identity: float | None = None,
+) -> str:
+    """Mean [95 % t-interval over seeds, clipped to `bounds`]; one seed has no interval;
+    "identical" where every value is `identity` (a difference of 0, a ratio of 1)."""
+    if identity is not None and len(values) > 1 and all(v == identity for v in values):
+        return f"identical (all {len(values)} seeds)"
+    mean, low, high = interval(values, bounds=bounds)
+    places = _decimals([mean, high - low], digits)
     if len(values) < 2:
-        return f"{mean:.{digits}f} (1 seed)"
-    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+        return f"{mean:.{places}f} (1 seed)"
+    return f"{mean:.{places}f} [{low:.{places}f}, {high:.{places}f}]"
 
 
 def _arms(runs: Sequence[Run], varying: Sequence[list[str]]) -> dict[str, list[Run]]:
@@ -158,8 +191,8 @@ def _seed_table(arms: Mapping[str, list[Run]], runs: Sequence[Run]) -> str:
         cells = [
             arm,
             str(len(members)),
-            _spread([x["final_accuracy"] for x in s], 4),
-            _spread([x["best_accuracy"] for x in s], 4),
+            _spread([x["final_accuracy"] for x in s], 4, ACCURACY),
+            _spread([x["best_accuracy"] for x in s], 4, ACCURACY),
             _spread([(x["total_bytes_up"] + x["total_bytes_down"]) / 1e6 for x in s], 1),
             _spread([x["virtual_time_s"] for x in s], 1),
         ]
@@ -167,8 +200,8 @@ def _seed_table(arms: Mapping[str, list[Run]], runs: Sequence[Run]) -> str:
             hits = [x for x in s if x.get("rounds_to_target") is not None]
             cells += [
                 f"{len(hits)}/{len(s)}",
-                _spread([x["rounds_to_target"] for x in hits], 1) if hits else "-",
-                _spread([x["time_to_target_s"] for x in hits], 1) if hits else "-",
+                _spread([x["rounds_to_target"] for x in hits], 1) if hits else NOT_REACHED,
+                _spread([x["time_to_target_s"] for x in hits], 1) if hits else NOT_REACHED,
             ]
         lines.append(_row(cells))
     return "\n".join(lines) + "\n"
@@ -202,9 +235,18 @@ def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
                 [
                     arm,
                     str(len(pairs)),
-                    _spread([a["final_accuracy"] - b["final_accuracy"] for a, b in pairs], 4),
-                    _spread([_traffic(a) / _traffic(b) for a, b in pairs], 3),
-                    f"{_spread(times, 3)} ({len(times)} seeds)" if times else "-",
+                    _spread(
+                        [a["final_accuracy"] - b["final_accuracy"] for a, b in pairs],
+                        4,
+                        DIFFERENCE,
+                        identity=0.0,
+                    ),
+                    _spread([_traffic(a) / _traffic(b) for a, b in pairs], 3, identity=1.0),
+                    f"{_spread(times, 3, identity=1.0)} ({len(times)} seeds)"
+                    if times
+                    else NOT_REACHED
+                    if pairs[0][1].get("target_accuracy") is not None
+                    else "-",
                 ]
             )
         )
@@ -230,9 +272,15 @@ def compare_runs(
     text = _table(runs, labels)
     arms = _arms(runs, varying)
     if arms:
+        warning = few_seeds_warning(min(len(members) for members in arms.values()))
+        if warning:
+            log.warning("comparison: %s", warning)
+            text += f"\n**Warning:** {warning}.\n"
         text += (
-            "\nMean over seeds [95 % t-interval of the mean]; a verdict against a paper's "
-            f"figure is inconclusive while its interval holds it:\n\n{_seed_table(arms, runs)}"
+            "\nMean over seeds [95 % t-interval of the mean, clipped to the figure's range: "
+            "accuracy to [0, 1], traffic, times and ratios to >= 0]; a verdict against a "
+            "paper's figure is inconclusive while its interval holds it:\n\n"
+            f"{_seed_table(arms, runs)}"
         )
         ref = reference if reference is not None else next(iter(arms))
         if ref not in arms:

@@ -69,8 +69,12 @@ class RoundReporter:
         *,
         enabled: bool,
         stream: TextIO | None = None,
+        arrival: str = "virtual",
     ) -> None:
+        """`arrival`: the run's `loop.arrival`; with `real` arrivals the clock is the wall
+        clock since training began, and its column and the final line say "wall time"."""
         self.enabled = enabled
+        self.clock = "wall" if arrival == "real" else "virtual"
         self.stream = stream if stream is not None else sys.stdout
         self._columns: tuple[Column, ...] = ()
         self._bar: tqdm[Any] | None = None
@@ -91,7 +95,8 @@ class RoundReporter:
         if not self.enabled:
             return
         if not self._columns:
-            self._columns = (*COLUMNS, EPSILON) if "epsilon_max" in row else COLUMNS
+            columns = tuple(_clock_column(c, self.clock) for c in COLUMNS)
+            self._columns = (*columns, EPSILON) if "epsilon_max" in row else columns
             self._write(" ".join(f"{h:>{w}}" for h, _, _, w in self._columns))
         cells = [f"{fmt(row[key]) if key in row else '-':>{w}}" for _, key, fmt, w in self._columns]
         self._write(" ".join(cells))
@@ -105,15 +110,21 @@ class RoundReporter:
             self._bar.close()
         self._logs.close()
         if self.enabled and "final_accuracy" in summary:
-            print(_final_line(summary, out_dir), file=self.stream, flush=True)
+            print(_final_line(summary, out_dir, self.clock), file=self.stream, flush=True)
 
 
-def _final_line(summary: dict[str, Any], out_dir: Path) -> str:
+def _clock_column(column: Column, clock: str) -> Column:
+    """The `virtual time` column renamed after the clock that fills it (`wall time`)."""
+    _, key, fmt, width = column
+    return (f"{clock} time", key, fmt, width) if key == "virtual_time_s" else column
+
+
+def _final_line(summary: dict[str, Any], out_dir: Path, clock: str = "virtual") -> str:
     """One line that says how the run ended, and where its outputs are."""
     parts = [
         f"final accuracy {summary['final_accuracy']:.4f} "
         f"(best {summary['best_accuracy']:.4f}) after {summary['rounds']} rounds",
-        f"{human_seconds(summary['virtual_time_s'])} virtual time",
+        f"{human_seconds(summary['virtual_time_s'])} {clock} time",
         f"{human_bytes(summary['total_bytes_up'])} up, "
         f"{human_bytes(summary['total_bytes_down'])} down",
     ]

@@ -580,17 +580,22 @@ def check_loop(cfg: DictConfig) -> None:
         f"mechanism lives (on loop={kind} it would be another algorithm under its name); drop "
         "loop= to get it",
     )
+    # Name what the user wrote: loop=semi_async (whose replies land late by design), or
+    # loop.late=carry on the sync loop; not the loop's internal late=carry default.
+    key, value = ("loop", kind) if kind != "sync" else ("loop.late", late)
+    late_how = f"loop={kind} lands replies late" if kind != "sync" else "carried replies land late"
+    fix = "use loop=sync" if kind != "sync" else "use loop.late=drop (the default)"
     require(
         not stale or getattr(server, "stale_replies_ok", True),
-        "loop",
-        f"{kind} (late={late})",
-        f"strategy={cfg.strategy.name} aggregates only replies to the current round's state; "
-        "use loop=sync with loop.late=drop",
+        key,
+        value,
+        f"strategy={cfg.strategy.name} needs every reply in the round it was asked for, "
+        f"and {late_how}: it aggregates only replies to the current round's state; {fix}",
     )
     central = OmegaConf.select(cfg, "privacy.server_dp.mode", default="none") != "none"
     require(
         not stale or not central,
-        "loop",
-        f"{kind} (late={late})",
-        "central DP clips each update against the current model: replies must not land late",
+        key,
+        value,
+        f"central DP clips each update against the current model, and {late_how}; {fix}",
     )

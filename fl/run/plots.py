@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fl.run.intervals import interval
+from fl.run.intervals import ACCURACY, interval
 
 __all__ = ["plot_diagnostic", "plot_run", "plot_runs"]
 
@@ -28,12 +28,12 @@ X_AXES = (lambda r: float(r["round"]), _traffic_mb, lambda r: float(r["virtual_t
 def plot_runs(runs: Mapping[str, Sequence[Rows]], path: Path, *, title: str = "") -> None:
     """One figure, three panels, one line per named arm: its run, or the mean over its
     seeds' runs (round by round, up to the shortest) in a band of the mean's 95 %
-    t-interval."""
+    t-interval, clipped to accuracy's range [0, 1]."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
     for label, seeds in runs.items():
         rounds = min(len(rows) for rows in seeds)
         per_round = [[rows[i] for rows in seeds] for i in range(rounds)]
-        stats = [interval([r["accuracy"] for r in rows]) for rows in per_round]
+        stats = [interval([r["accuracy"] for r in rows], bounds=ACCURACY) for rows in per_round]
         mean = [m for m, _, _ in stats]
         for ax, x_of in zip(axes, X_AXES, strict=True):
             xs = [sum(x_of(r) for r in rows) / len(rows) for rows in per_round]

@@ -17,18 +17,17 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.logger import log
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
 from flwr.serverapp import Grid
@@ -36,6 +35,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl.run.apps import Apps, CohortClientApp
+from fl.run.console import flower_logs_once
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
 from fl.world.population import PartitionMap
@@ -43,6 +43,7 @@ from fl.world.population import PartitionMap
 __all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
 
 SERVER_NODE_ID = 0
+log = logging.getLogger(__name__)  # our lines under our name, not Flower's `[flwr]`
 CLIENT_EXCEPTION = 3  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
@@ -212,7 +213,7 @@ class LocalGrid(Grid):
             done[i] = _wire_roundtrip(reply) if self.serialize else reply
         self.cohort_trained += len(done)
         if outcome.path != self.cohort_path:  # the run says which path it took, when it changes
-            log(INFO, "local engine: %d train messages, %s", len(picked), outcome.path)
+            log.info("local engine: %d train messages, %s", len(picked), outcome.path)
             self.cohort_path = outcome.path
         return done
 
@@ -263,6 +264,7 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
     """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes
     (default: the project's ServerApp and ClientApp, as before `apps` was added)."""
     apps = apps or Apps.load()
+    flower_logs_once()  # a Flower strategy's lines (strategy=flower): once each, not twice
     _freeze_imports()
     grid = LocalGrid(
         apps.client,

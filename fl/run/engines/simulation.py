@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
+
+# A Ray started here is this machine's own (no RAY_ADDRESS): its node address is loopback.
+# Without this, Ray's import probes 8.8.8.8 for a "public" address and, offline, prints a
+# warning before the table. Read once, when Ray is imported below; a cluster is left alone.
+if not os.environ.get("RAY_ADDRESS"):
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import tomli_w  # a dependency of flwr itself
 from flwr.app import Context, RecordDict
@@ -87,6 +94,11 @@ def run_flower_simulation(cfg: DictConfig, run_config: dict[str, Any], apps: App
     Raises whatever the ServerApp raised, so `fl-run` exits non-zero when training fails.
     """
     flower_logs_once()  # importing flwr reset its logger to DEBUG with a second console
+    # Ray's tip that a future version will stop hiding GPUs from num_gpus=0 actors: we keep
+    # today's behaviour (a client asked for no GPU sees none), so the tip says nothing to us.
+    warnings.filterwarnings(
+        "ignore", message="Tip: In future versions of Ray", category=FutureWarning
+    )
     run = _new_run(run_config)
     context = Context(
         run_id=run.run_id,
