@@ -352,15 +352,21 @@ def _staleness(updates: list[ClientUpdate], settings: LoopSettings) -> dict[str,
 
 
 def _time_view(clock: VirtualClock, partition: int, deadline_s: float) -> dict[str, Any]:
-    """What a client's hooks may know of time: its device and the round's deadline."""
+    """What a client's hooks may know of time: its device, the round's deadline and, under
+    a speed trace, its speed's changes until the deadline (seconds after sending, samples/s,
+    flattened): the device's own clock, which a real client reads off its wall clock."""
     profile = clock.profiles[partition]
-    return {
+    view = {
         "device-speed": clock.speed(partition, clock.now),
         "device-up-bps": profile.up_bytes_per_s,
         "device-down-bps": profile.down_bytes_per_s,
         "deadline-s": deadline_s,
         "sent-at-s": clock.now,
     }
+    if clock.speed_trace is not None:
+        segments = clock.speed_segments(partition, clock.now, clock.now + deadline_s)
+        view["device-speed-trace"] = [float(x) for segment in segments for x in segment]
+    return view
 
 
 def _system_options(cfg: DictConfig) -> dict[str, Any]:

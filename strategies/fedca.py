@@ -15,15 +15,22 @@ layer recorded after every iteration). In the rounds between, it
   eq. 5-6); otherwise the server keeps the eager version.
 
 The server gives each round a T_R (FedBalancer-style: the time maximising the number of
-selected clients expected to finish by it over itself, from the speeds their devices
-have when the round starts) and averages replies as FedAvg does; which replies land
-(the earliest 90 % in the paper) is the loop's `first_k_fraction`.
+selected clients expected to finish by it over itself, from the clients' recent speeds:
+each one's samples over the compute span the server observed in the last round it
+landed in; a client not yet observed counts at the median of those observed, and before
+any observation at the speed its device announces) and averages replies as FedAvg does;
+which replies land (the earliest 90 % in the paper) is the loop's `first_k_fraction`.
 
 Time is virtual: a client's elapsed time is `ClientTime.elapsed_s` (its download and the
-samples trained so far at the speed it was told), never the wall clock, so runs are
-deterministic; eager layers leave on the clock through `reply_parts` while compute goes
-on. Variants (spec §6.9): v1 early stop only, v2 early stop + eager layers without
-re-send, v3 full FedCA.
+samples trained so far at its device's speed of each moment: under a speed trace the
+device's own trace, so a client sees its slowdowns inside the round, as on a real
+device's wall clock), never the wall clock of this machine, so runs are deterministic;
+the clock charges the samples the client reports, so a client that stops earlier
+finishes earlier on it too; eager layers leave on the clock through `reply_parts` while
+compute goes on. Until issue 35 the elapsed time came from the speed announced at the
+round's start and T_R from every device's true speed at the start; recorded FedCA
+numbers before it used that. Variants (spec §6.9): v1 early stop only, v2 early stop +
+eager layers without re-send, v3 full FedCA.
 
 Wire protocol (ours): replies use the `eager_layers` codec (each tensor once, the version
 the server keeps, plus the superseded eager copy of every re-sent layer, so traffic is
@@ -47,7 +54,7 @@ from torch import nn
 from fl.common.seeding import derive_seed
 from fl.strategy.client import ClientHooks, Reply
 from fl.strategy.registry import register
-from fl.strategy.server import ServerStrategy, UploadParts
+from fl.strategy.server import ClientUpdate, ServerStrategy, UploadParts
 from fl.wire.codec import Codec, CodecError, Options, encode, read, register_codec, require
 from fl.wire.records import Layout, array_record, array_to_numpy, numpy_to_array
 
@@ -225,29 +232,50 @@ class FedCAServer(ServerStrategy):
     min_local_steps = 1  # a client may stop after its first iteration (utility < 0)
 
     params: FedCAParams
+    state_attributes = ("observed_speed",)
 
     def __init__(self, params: FedCAParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.round_s = math.inf
+        self.observed_speed: dict[int, float] = {}  # node -> samples/s in its last landed round
 
     def select(self, server_round: int, candidates: Sequence[int]) -> list[int]:
         chosen = super().select(server_round, candidates)
         self.round_s = round_time([self.expected_s(node) for node in chosen])
         return chosen
 
+    def recent_speed(self, node: int) -> float | None:
+        """`node`'s speed as last observed; unobserved, the median of those observed (None:
+        nothing observed yet)."""
+        if node in self.observed_speed:
+            return self.observed_speed[node]
+        known = sorted(self.observed_speed.values())
+        return known[len(known) // 2] if known else None
+
     def expected_s(self, node: int) -> float:
-        """A full round of `node` (dense float32 model both ways, K iterations) at the
-        speed its device has now; inf where the loop tells nothing of time."""
+        """A full round of `node` (dense float32 model both ways, K iterations) at its
+        recent speed (before any observation: the speed its device announces); inf where
+        the loop tells nothing of time."""
         view = self.extra_config(node)
         if "device-speed" not in view or self.layout is None:
             return math.inf
         nbytes = 4 * self.layout.numel
         samples = self.params.local_steps * self.params.batch_size
-        return (
-            nbytes / view["device-down-bps"]
-            + samples / view["device-speed"]
-            + nbytes / view["device-up-bps"]
-        )
+        speed = self.recent_speed(node) or view["device-speed"]
+        return nbytes / view["device-down-bps"] + samples / speed + nbytes / view["device-up-bps"]
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> torch.Tensor:
+        """FedAvg; first each landed reply's speed: its samples (within what it was asked
+        for) over the compute span the loop observed (none on real arrivals)."""
+        asked = self.params.local_steps * self.params.batch_size
+        for u in updates:
+            info = self.reply_info.get(u.node_id)
+            samples = u.metrics.get("samples")
+            if info is None or info.compute_s is None or not info.compute_s > 0:
+                continue
+            if isinstance(samples, int) and not isinstance(samples, bool) and samples > 0:
+                self.observed_speed[u.node_id] = min(samples, asked) / info.compute_s
+        return super().aggregate(server_round, updates)
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         return {**super().train_config(server_round, node_id), "fedca-round-s": self.round_s}

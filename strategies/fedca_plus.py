@@ -87,6 +87,7 @@ class FedCAPlusServer(FedCAServer, FedSUServer):
     """FedCA's round time and eager parts over FedSU's speculation, gated by layer."""
 
     params: FedCAPlusParams
+    state_attributes = (*FedSUServer.state_attributes, *FedCAServer.state_attributes)
 
     def on_round_start(self, server_round: int) -> None:
         if self.control is None:

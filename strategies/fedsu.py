@@ -37,6 +37,12 @@ adds ē); its R-EMAs restart from zero; errors are weighted like the model and, 
 partial participation, each client's mean error per round is scaled by the phase length
 (`fl.mechanisms.speculation.phase_error`); v1's period 43 and v2's probability 0.53 % are the
 paper's values for its CNN.
+Labelled variants (ours, issue 35; off by default, so the default stays the paper's reading):
+`warmup_rounds` trusts R only once that many second differences were folded in since the
+scalar's last reset (by default R counts from its second sample, when a single pair of
+opposite second differences can already pass T_R); `error_reset` measures ē from the last
+passed check instead of the phase's start, so each check judges the rounds since the last
+one against the fixed slope instead of the whole phase.
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ class FedSUParams:
     fixed_period: int = 43  # v1: rounds a scalar is speculated, unchecked
     random_probability: float = 0.0053  # v2: chance a regular scalar is speculated per round
     exit_correction: bool = False  # add the known error ē to a scalar leaving speculation
+    warmup_rounds: int = 0  # variant (ours): R is trusted only after this many samples
+    error_reset: bool = False  # variant (ours): ē counts from the last passed check
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -94,6 +102,8 @@ class FedSUParams:
             raise ValueError("strategy.fixed_period must be >= 1")
         if not 0 <= self.random_probability <= 1:
             raise ValueError("strategy.random_probability must be in [0, 1]")
+        if self.warmup_rounds < 0:
+            raise ValueError("strategy.warmup_rounds must be >= 0")
 
     @property
     def checked(self) -> bool:
@@ -169,7 +179,8 @@ def control_step(
         draw = torch.rand(regular.numel(), generator=generator)
         enter = regular & (draw < params.random_probability)
     else:
-        enter = regular & below(rate, params.linearity_threshold)
+        trusted = state.linearity.samples >= params.warmup_rounds
+        enter = regular & trusted & below(rate, params.linearity_threshold)
     spec.track(nxt)
     spec.start(enter, nxt, update, tick + 1)
     state.clock = tick + 1
@@ -243,7 +254,7 @@ class FedSUServer(ServerStrategy):
         spec = self.control.speculation
         weights = torch.tensor([float(u.num_examples) for u in updates])
         per_round = torch.stack([self.errors[u.node_id] for u in updates])
-        error = phase_error(per_round, weights, spec, self.control.clock)
+        error = phase_error(per_round, weights, spec, self.control.clock, self.params.error_reset)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, self.control.clock))
         nxt, self.counts = control_step(self.control, vector, error, self.params, generator)
         return nxt
@@ -273,7 +284,7 @@ class FedSUHooks(ClientHooks):
         self.base = self.spec.values(tick)
         self.predicted = self.spec.values(tick + 1)
         self.mask = reply_mask(self.spec, tick, self.params)
-        self.feedback = ErrorFeedback.load(state, self.spec)
+        self.feedback = ErrorFeedback.load(state, self.spec, tick, self.params.error_reset)
         layout.load_into(model, self.base)
 
     def end(self, model: nn.Module, state: RecordDict, layout: Layout) -> Reply:

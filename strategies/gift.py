@@ -7,14 +7,18 @@ implementations), spec: shared/specs/algorithms_a.md §4.
 
 The server measures model-wide gradient consistency C (the mean over scalars of
 |EMA Σ_i g_i| / EMA Σ_i |g_i|) from the clients' round updates, at no extra traffic. When
-C has not reached a new low for W rounds, clients synchronise more often: local steps
-are halved, the EMAs restart and W doubles. Our PROPOSAL, off by default, adds the
-opposite direction the abstract mentions: when C stays more than (1 + δ) above its low
-for W rounds in a row, local steps double again (up to the initial value).
+C has not fallen for W rounds, clients synchronise more often: local steps are halved
+and the EMAs restart. The window is fixed (spec §3.3, shared with PAS); `window_rule`
+keeps the reference code's `doubling` window (W doubles after every change) and the
+`one_step` test as ablations. The opposite direction the abstract claims ("raise or lower
+the frequency"), whose rule the codes lack, is on by default (our PROPOSAL, spec §4.3):
+when C stays more than (1 + δ) above its low for W rounds in a row, local steps double
+again (up to the initial value). `increase=false window_rule=doubling` is the reference
+code's rule, our default until issue 35.
 
 As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `laws`): diagnosis = the global mean of
 the consistent rate (`ConsistencyEMA`), action = the global sync period τ (the
-`local-steps` key), law = `PlateauDetector` stall, then `divide_int` by ρ, rounded up.
+`local-steps` key), law = `stall_detector` stall, then `divide_int` by ρ, rounded up.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from typing import Any
 import torch
 
 from fl.common.checkpointable import checkpointable
-from fl.mechanisms.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
+from fl.mechanisms.diagnosis import (
+    ConsistencyEMA,
+    PlateauDetector,
+    check_tuning_settings,
+    stall_detector,
+)
 from fl.mechanisms.laws import divide_int
 from fl.strategy.client import ClientHooks
 from fl.strategy.registry import register
@@ -35,16 +44,18 @@ from fl.strategy.server import ClientUpdate, ServerStrategy
 
 @dataclass
 class GIFTParams:
-    """Defaults from the reference code (MindSpore/Plato), warm-up from the spec's plan."""
+    """Defaults from the reference code (MindSpore/Plato), warm-up from the spec's plan,
+    the fixed window from spec §3.3, both directions from the abstract."""
 
     initial_steps: int = 64  # τ_0; conf/strategy/gift.yaml takes the run's local_steps
     min_steps: int = 1  # τ never falls below this
     ratio: float = 2.0  # ρ: τ ← ceil(τ / ρ) on a stall
     ema: float = 0.5  # θ of the consistency EMAs (MindSpore's default; Plato 0.99)
-    window: int = 5  # W: rounds without a new low of C that count as a stall
-    window_growth: int = 2  # W ← W · this after every change of τ
+    window: int = 5  # W: rounds without C falling that count as a stall
+    window_rule: str = "fixed"  # fixed | doubling (reference code) | one_step, spec §3.3
+    window_growth: int = 2  # doubling only: W ← W · this after every change of τ
     warmup: int = 10  # r_0: no change of τ in rounds <= r_0
-    increase: bool = False  # PROPOSAL (ours): also lengthen τ when C rises
+    increase: bool = True  # PROPOSAL (ours): also lengthen τ when C rises; false: reference
     increase_margin: float = 0.2  # δ of the increase rule
 
     def validate(self) -> None:
@@ -55,7 +66,9 @@ class GIFTParams:
             )
         if not 1 <= self.min_steps <= self.initial_steps:
             raise ValueError("strategy.min_steps must be in [1, initial_steps]")
-        check_tuning_settings(self.ratio, self.ema, self.window, self.window_growth, self.warmup)
+        check_tuning_settings(
+            self.ratio, self.ema, self.window, self.window_growth, self.warmup, self.window_rule
+        )
         if self.increase_margin < 0:
             raise ValueError("strategy.increase_margin must be >= 0")
 
@@ -73,8 +86,8 @@ class FrequencyState:
 
     @classmethod
     def fresh(cls, numel: int, params: GIFTParams) -> FrequencyState:
-        detector = PlateauDetector.fresh(
-            1, params.window, growth=params.window_growth, warmup=params.warmup
+        detector = stall_detector(
+            1, params.window_rule, params.window, growth=params.window_growth, warmup=params.warmup
         )
         return cls(params.initial_steps, ConsistencyEMA.zeros(numel, params.ema), detector)
 

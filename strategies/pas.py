@@ -9,8 +9,11 @@ scalar is sent once per round, as in FedAvg, but the group of scalars sharing a 
 can leave as soon as that period ends and its upload overlaps the remaining steps
 (`client_seconds`). The server averages per scalar, tracks each scalar's consistency
 R = |P + N| / (P - N) with bilateral EMAs, and divides τ[x] by γ when R[x] stops falling:
-no new low for W rounds (our choice, from GIFT's reference code; the paper gives no
-exact test), after which W doubles for that scalar and its EMAs restart.
+W rounds without R[x] falling below an earlier value (spec §3.3's fixed window; the paper
+gives no exact test), after which that scalar's minimum and EMAs restart, so a period can
+halve every W rounds. Ablations (`window_rule`): `doubling`, GIFT's reference code (no new
+low for more than W rounds, W doubling per halving; with `warmup=5` our default until
+issue 35), and `one_step` (R did not fall since last round).
 
 Wire protocol (ours; in the paper each client applies the same halvings itself): the
 periods travel through the shared sync protocol (`fl.wire.sync`) as control state. A client
@@ -22,7 +25,7 @@ is cheaper. The model travels dense. Replies carry one array per period group
 
 As metric grafting sees it (`fl.mechanisms`: `diagnosis`, `actions`, `laws`): diagnosis = the
 per-scalar consistent rate (`ConsistencyEMA`), action = per-scalar periods
-(`shorten_periods`, `PeriodGroups`), law = `PlateauDetector` stall, then `divide` by γ.
+(`shorten_periods`, `PeriodGroups`), law = `stall_detector` stall, then `divide` by γ.
 """
 
 from __future__ import annotations
@@ -44,7 +47,12 @@ from fl.mechanisms.actions import (
     shorten_periods,
     shortest_period,
 )
-from fl.mechanisms.diagnosis import ConsistencyEMA, PlateauDetector, check_tuning_settings
+from fl.mechanisms.diagnosis import (
+    ConsistencyEMA,
+    PlateauDetector,
+    check_tuning_settings,
+    stall_detector,
+)
 from fl.strategy.client import ClientHooks, Reply
 from fl.strategy.registry import register
 from fl.strategy.server import ClientUpdate, ServerStrategy, UploadParts
@@ -55,15 +63,16 @@ from fl.wire.sync import SyncClient, Synced
 
 @dataclass
 class PASParams:
-    """Defaults from the paper (S-PAS §VI-A); the stall test and warm-up are ours."""
+    """Defaults from the paper (S-PAS §VI-A); the stall test from spec §3.3 (fixed window)."""
 
     initial_period: int = 200  # τ_0; conf/strategy/pas.yaml takes the run's local_steps
     levels: int = 4  # times a period may shrink: 200 → 100 → 50 → 25 → 12 = τ_min
     ratio: float = 2.0  # γ: τ[x] ← max(τ_min, floor(τ[x] / γ))
     ema: float = 0.9  # θ of the bilateral EMAs
-    window: int = 5  # W: rounds without a new low of R[x] that count as a stall
-    window_growth: int = 2  # W[x] ← W[x] · this after each halving (0 and 1: one-step test)
-    warmup: int = 5  # no halving in rounds <= warmup
+    window: int = 5  # W: rounds without R[x] falling that count as a stall
+    window_rule: str = "fixed"  # fixed | doubling | one_step (ablations), spec §3.3
+    window_growth: int = 2  # doubling only: W[x] ← W[x] · this after each halving
+    warmup: int = 0  # no halving in rounds <= warmup (the fixed window needs none)
 
     @property
     def min_period(self) -> int:
@@ -80,7 +89,9 @@ class PASParams:
             raise ValueError("strategy.levels must be >= 0")
         if self.initial_period > np.iinfo(np.int16).max:
             raise ValueError("strategy.initial_period must fit in int16 (<= 32767)")
-        check_tuning_settings(self.ratio, self.ema, self.window, self.window_growth, self.warmup)
+        check_tuning_settings(
+            self.ratio, self.ema, self.window, self.window_growth, self.warmup, self.window_rule
+        )
 
 
 def shorten(periods: torch.Tensor, where: torch.Tensor, params: PASParams) -> torch.Tensor:
@@ -109,8 +120,12 @@ class PeriodState:
         return cls(
             torch.full((numel,), params.initial_period, dtype=torch.int64),
             ConsistencyEMA.zeros(numel, params.ema),
-            PlateauDetector.fresh(
-                numel, params.window, growth=params.window_growth, warmup=params.warmup
+            stall_detector(
+                numel,
+                params.window_rule,
+                params.window,
+                growth=params.window_growth,
+                warmup=params.warmup,
             ),
         )
 

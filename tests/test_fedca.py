@@ -14,6 +14,7 @@ from torch import nn
 from clients.trainer import TrainSettings, train_locally
 from fl.mechanisms.diagnosis import LinearityTest
 from fl.strategy.client import ClientTime
+from fl.strategy.server import ClientUpdate, ReplyInfo
 from fl.wire.codec import decode, encode_dense, payload_traffic
 from fl.wire.records import Layout
 from fl.world.clock import (
@@ -317,3 +318,88 @@ def test_fedca_plus_run_speculates_without_rejections_and_resumes(tmp_path):
     _run(tmp_path, "resumed", *extra, rounds=2)
     resumed = _run(tmp_path, "resumed", *extra, "resume=true", rounds=4)
     assert without_wall_time(resumed) == without_wall_time(plus)
+
+
+# ----- the client's own clock and T_R from observed speeds (issue 35) ----------------------
+def test_a_client_slowed_mid_round_stops_earlier_than_one_that_was_not():
+    # benefit 0.1 an iteration, T_R = 0.45 s, batch 1, K = 10; both announce 20 samples/s
+    steady = _round("v1", LINEAR, [LINEAR, LINEAR], speed=20.0)
+    slowed = _round("v1", LINEAR, [LINEAR, LINEAR], speed=20.0)
+    slowed.hooks.time = ClientTime(speed=20.0, speed_trace=((0.0, 20.0), (0.1, 4.0)))
+    # steady: 0.05 s a step, 0.45 s after step 9: within T_R to the end
+    assert steady.train(10) == 10
+    # slowed to 4 samples/s after 0.1 s (2 steps): 0.6 s after step 4, past T_R: it stops
+    assert slowed.train(10) == 4
+    assert slowed.hooks.time.elapsed_s == pytest.approx(0.1 + 2 / 4.0)
+    # the same client reading only the speed announced at the start would not have seen it
+    blind = _round("v1", LINEAR, [LINEAR, LINEAR], speed=20.0)
+    assert blind.train(10) == 10
+
+
+def test_client_clock_follows_its_device_trace_as_the_virtual_clock_charges_it():
+    options = {
+        "speed": 20000.0,
+        "up_mbps": 10.0,
+        "down_mbps": 10.0,
+        "speed_spread": 5.0,
+        "speed_distribution": "lognormal",
+        "speed_trace": "toggle",
+    }
+    slowed_any = False
+    for partition in range(4):
+        clock = clock_from_config(options, 4, seed=0)
+        profile = clock.profiles[partition]
+        segments = clock.speed_segments(partition, 0.0, math.inf)
+        slowed_any |= len(segments) > 1
+        samples, down = 60_000, 20_000  # seconds of compute: several toggles
+        view = ClientTime(
+            speed=segments[0][1],
+            download_s=down / profile.down_bytes_per_s,
+            samples=samples,
+            speed_trace=tuple(segments),
+        )
+        clock.submit(Job(0, partition, down_bytes=down, samples=samples, uploads=()))
+        assert view.elapsed_s == pytest.approx(clock.next_arrival().computed_s, rel=1e-9)
+    assert slowed_any
+    config = ConfigRecord(
+        {
+            "device-speed": 5.0,
+            "device-up-bps": 1.0,
+            "device-down-bps": 2.0,
+            "deadline-s": 9.0,
+            "device-speed-trace": [0.0, 5.0, 1.0, 1.0],
+        }
+    )
+    view = ClientTime.from_config(config, down_bytes=2)
+    assert view.speed_trace == ((0.0, 5.0), (1.0, 1.0))
+    view.samples = 4  # 1 s of download, then 4 samples at 1/s: the second segment
+    assert view.elapsed_s == pytest.approx(5.0)
+    for bad in ([1.0, 5.0], [0.0, 5.0, 0.0, 1.0], [0.0, -1.0], [0.0]):
+        config["device-speed-trace"] = bad
+        with pytest.raises(ValueError, match="device-speed-trace"):
+            ClientTime.from_config(config, down_bytes=2)
+
+
+def test_round_time_comes_from_recently_observed_speeds_not_true_speeds():
+    params = FedCAParams(local_steps=10, batch_size=10)  # 100 samples a full round
+    server = FedCAServer(params, seed=0, clients_per_round=2)
+    server.layout = Layout(("w",), ((1,),), (torch.float32,))
+    server.global_vector = torch.zeros(1)
+    fast = {"device-speed": 1e9, "device-up-bps": 1e12, "device-down-bps": 1e12}
+    server.extra_config = lambda node: fast  # every device at full speed right now
+    assert server.expected_s(1) == pytest.approx(100 / 1e9, rel=1e-3)  # nothing observed yet
+    server.reply_info = {
+        1: ReplyInfo(1, 0, arrived_s=2.0, base=torch.zeros(1), sent_s=0.0, compute_s=0.5),
+        2: ReplyInfo(1, 0, arrived_s=3.0, base=torch.zeros(1), sent_s=0.0, compute_s=2.0),
+    }
+    updates = [
+        ClientUpdate(1, torch.ones(1), 10, {"samples": 100}),  # 200 samples/s
+        ClientUpdate(2, torch.ones(1), 10, {"samples": 40}),  # stopped early: 20 samples/s
+    ]
+    server.aggregate(1, updates)
+    assert server.observed_speed == {1: 200.0, 2: 20.0}
+    assert server.expected_s(1) == pytest.approx(0.5, rel=1e-6)
+    assert server.expected_s(2) == pytest.approx(5.0, rel=1e-6)
+    assert server.expected_s(3) == pytest.approx(0.5, rel=1e-6)  # unobserved: the median
+    server.select(2, [1, 2])
+    assert server.round_s == pytest.approx(0.5, rel=1e-6)  # 1 / 0.5 beats 2 / 5

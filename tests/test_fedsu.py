@@ -87,12 +87,12 @@ def _simulate(params: FedSUParams, slopes: list[float], noise: float = 0.0):
         means, locals_ = [], []
         for client in client_states:
             local = base + slope + noise * torch.randn(1, generator=gen)
-            feedback = ErrorFeedback.load(client, spec)
+            feedback = ErrorFeedback.load(client, spec, tick, params.error_reset)
             feedback.add(spec.speculating, local - predicted)
             feedback.save(client)
             means.append(feedback.mean())
             locals_.append(local)
-        error = phase_error(torch.stack(means), torch.ones(2), spec, tick)
+        error = phase_error(torch.stack(means), torch.ones(2), spec, tick, params.error_reset)
         error = torch.where(due, error, torch.zeros_like(error))
         vector = torch.stack(locals_).mean(0)
         nxt, counts = control_step(state, vector, error, params, gen)
@@ -117,6 +117,32 @@ def test_error_feedback_keeps_a_straight_line_and_resyncs_when_the_slope_changes
     # exit_correction adds the known error ē: 2 per round over the 5 rounds since the change
     corrected = _simulate(replace(params, exit_correction=True), [1.0] * 12 + [3.0] * 10)
     assert corrected[left][1] - history[left][1] == pytest.approx(2.0 * 5)
+
+
+def test_the_warmup_gate_holds_speculation_until_r_has_enough_samples():
+    params = FedSUParams(linearity_threshold=0.01, error_threshold=1.0)
+    # by default R is trusted from its first second difference (round 2: R = 0 on a line)
+    assert [h[0] for h in _simulate(params, [1.0] * 8)][:3] == [False, True, True]
+    gated = _simulate(replace(params, warmup_rounds=4), [1.0] * 8)
+    # the 4th second difference is folded in at round 5: speculation starts there
+    assert [h[0] for h in gated] == [False] * 4 + [True] * 4
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        FedSUParams(warmup_rounds=-1).validate()
+
+
+def test_error_reset_judges_each_window_instead_of_the_whole_phase():
+    # the slope is taken as 1, training moves the scalar by 1.15 a round: 0.15 of error a
+    # round against the fixed slope
+    slopes = [1.0, 1.0] + [1.15] * 30
+    params = FedSUParams(linearity_threshold=0.01, error_threshold=1.0)
+    whole = [h[0] for h in _simulate(params, slopes)]
+    # accumulated over the phase (checks after 1, 3, 6, 10 rounds): 1.5 slopes at the
+    # 4th check, at tick 11 (the phase started at tick 2), so it leaves there
+    assert whole[1:11] == [True] * 10 and not whole[11]
+    reset = [h[0] for h in _simulate(replace(params, error_reset=True), slopes)]
+    # from the last passed check: windows of 1, 2, 3, ... rounds hold 0.15 × their length,
+    # below one slope until the 7th window (1.05 slopes, 28 rounds in, at tick 29)
+    assert reset[1:29] == [True] * 28 and not reset[29]
 
 
 def test_without_error_feedback_v1_speculates_for_a_fixed_period_whatever_the_error():

@@ -26,8 +26,8 @@ def _server(params: GIFTParams) -> GIFTServer:
 
 
 def test_falling_then_flat_consistency_halves_local_steps_once_at_the_right_round():
-    params = GIFTParams(initial_steps=64, ema=0.0, window=5, warmup=0)  # θ = 0: C is raw
-    server = _server(params)
+    params = GIFTParams(initial_steps=64, ema=0.0, window=5, warmup=0, window_rule="doubling")
+    server = _server(params)  # θ = 0: C is raw; the reference code's doubling window
     a_series = [0.0, 0.2, 0.4, 0.6] + [0.6] * 10  # C falls for 4 rounds, then stays flat
     steps = []
     for r, a in enumerate(a_series, start=1):
@@ -41,7 +41,9 @@ def test_falling_then_flat_consistency_halves_local_steps_once_at_the_right_roun
 
 
 def test_flat_consistency_walks_down_with_doubling_windows_to_the_floor():
-    params = GIFTParams(initial_steps=8, min_steps=2, ema=0.5, window=1, warmup=0)
+    params = GIFTParams(
+        initial_steps=8, min_steps=2, ema=0.5, window=1, warmup=0, window_rule="doubling"
+    )
     state = FrequencyState.fresh(3, params)
     for r in range(1, 30):
         tune_frequency(state, 0.5, r, params)
@@ -60,7 +62,9 @@ def test_warmup_holds_back_the_first_change():
 
 @pytest.mark.parametrize("increase", [False, True])
 def test_rising_consistency_lengthens_local_steps_only_with_the_proposal_on(increase):
-    params = GIFTParams(initial_steps=16, window=2, warmup=0, increase=increase)
+    params = GIFTParams(
+        initial_steps=16, window=2, warmup=0, increase=increase, window_rule="doubling"
+    )
     state = FrequencyState.fresh(1, params)
     state.steps = 8  # as after an earlier halving
     series = [0.5, 0.4, 0.3, 0.5, 0.5, 0.5]  # low 0.3 at round 3, then 67 % above it
@@ -70,6 +74,22 @@ def test_rising_consistency_lengthens_local_steps_only_with_the_proposal_on(incr
         assert state.changes == [(5, 16)]
     else:  # the reference rule only ever shortens: no new low for > 2 rounds at round 6
         assert state.changes == [(6, 4)]
+
+
+def test_the_default_window_is_fixed_and_both_directions_are_on():
+    """Spec §3.3's fixed window (shared with PAS) and the abstract's two directions: a flat C
+    halves τ every W rounds; C rising 67 % above its low for W rounds doubles it back."""
+    params = GIFTParams(initial_steps=16, min_steps=2, window=2, warmup=0)
+    assert params.window_rule == "fixed" and params.increase
+    state = FrequencyState.fresh(1, params)
+    series = [0.5] * 6 + [0.3] + [0.5] * 3  # flat, a new low at round 7, then 67 % above it
+    for r, c in enumerate(series, start=1):
+        tune_frequency(state, c, r, params)
+    # each window opens on a first value: halved at 2, 4 and 6 (16 → 8 → 4 → 2 = min_steps);
+    # 0.3 opens the window after 6, two rounds above (1 + δ) × 0.3 double τ at 9
+    assert state.changes == [(2, 8), (4, 4), (6, 2), (9, 4)]
+    with pytest.raises(ValueError, match="window_rule"):
+        GIFTParams(window_rule="halving").validate()
 
 
 def test_params_need_local_steps():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import read_metrics, run_fl, without_wall_time
@@ -39,8 +41,34 @@ def test_period_ladders_of_the_paper_and_of_the_scaled_preset():
         assert seen == ladder and params.min_period == ladder[-1]
 
 
+def test_pas_can_halve_a_period_every_w_rounds():
+    """Spec §3.3's fixed window (the default): a scalar whose R stops falling is halved
+    after W rounds, and again W rounds later while it stays stalled, down to τ_min; one whose
+    R keeps falling keeps its period. The doubling ablation waits longer every time."""
+    params = PASParams(initial_period=64, ema=0.0, window=3)  # θ = 0: R is raw
+    assert params.window_rule == "fixed" and params.warmup == 0
+
+    def halvings(params: PASParams) -> list[int]:
+        state = PeriodState.fresh(2, params)
+        rounds = []
+        for r in range(1, 50):
+            falling = r / (r + 1)  # scalar 1: R = (1 - a) / (1 + a) falls every round
+            deltas = torch.tensor([[1.0, 1.0], [-0.5, -falling]])  # scalar 0: R = 1/3 always
+            _, stalled = tune_periods(state, deltas, r, params)
+            assert not bool(stalled[1])
+            rounds += [r] if bool(stalled[0]) else []
+        assert int(state.periods[1]) == 64
+        return rounds
+
+    assert halvings(params) == [3, 6, 9, 12]  # 64 → 32 → 16 → 8 → 4 = τ_min, then no more
+    # no new low for more than W rounds, W doubling: 3, 6, 12 rounds after a first value
+    assert halvings(replace(params, window_rule="doubling")) == [5, 13, 27]
+    assert halvings(replace(params, window_rule="one_step")) == [2, 4, 6, 8]
+
+
 def test_each_scalar_is_halved_when_its_own_consistency_stops_falling():
-    params = PASParams(initial_period=64, ema=0.0, window=2, warmup=0)  # θ = 0: R is raw
+    # the doubling ablation (GIFT's reference code), which pins the old default's numbers
+    params = PASParams(initial_period=64, ema=0.0, window=2, window_rule="doubling")
     state = PeriodState.fresh(3, params)
     halvings = []
     for r in range(1, 13):
@@ -59,7 +87,7 @@ def test_each_scalar_is_halved_when_its_own_consistency_stops_falling():
 
 
 def test_periods_at_the_floor_are_not_halved_and_keep_their_window():
-    params = PASParams(initial_period=8, levels=1, ema=0.0, window=1, warmup=0)
+    params = PASParams(initial_period=8, levels=1, ema=0.0, window=1, window_rule="doubling")
     state = PeriodState.fresh(1, params)
     for r in range(1, 11):  # flat R: stall at 3 (8 -> 4 = τ_min), never again
         tune_periods(state, torch.tensor([[1.0], [-0.5]]), r, params)

@@ -225,11 +225,13 @@ def _apf_freezes(arms: list[Arm]) -> None:
 
 
 def _sync_tuned(arms: list[Arm]) -> None:
-    """PAS shortens the periods of some scalars once its warm-up is over (every scalar has
-    one); GIFT keeps τ_0 through its warm-up, which outlasts the quick budget."""
+    """PAS shortens the periods of some scalars once its warm-up and first window are over
+    (every scalar has one); GIFT keeps τ_0 through its warm-up, which outlasts the quick
+    budget."""
     named = _by_strategy(arms)
     fedavg, gift, pas = named["fedavg"], named["gift"], named["pas"]
-    steps, warmup = fedavg.get("local_steps"), pas.get("strategy.warmup")
+    steps = fedavg.get("local_steps")
+    warmup = max(pas.get("strategy.warmup"), pas.get("strategy.window"))
     dense = fedavg.rows[0]  # float32 scalars of the model, from FedAvg's upload
     scalars = dense["payload_bytes_up"] // (4 * dense["replies"])
     assert {sum(h.values()) for h in pas.column("period_histogram")} == {scalars}

@@ -34,9 +34,11 @@ ROOM = {"gift": ["strategy.warmup=2", "strategy.window=1"]}
 
 
 def _rounds(name: str) -> int:
-    """Past the strategy's warm-up (PAS halves periods after 5 rounds)."""
+    """Past the strategy's warm-up and first stall window (PAS halves periods after its
+    5-round window at the earliest, so they differ from round 6 on)."""
     cfg = compose([*RUN, f"strategy={name}", *ROOM.get(name, [])])
-    return max(4, int(cfg.strategy.get("warmup") or 0) + 5)
+    warmup, window = int(cfg.strategy.get("warmup") or 0), int(cfg.strategy.get("window") or 0)
+    return max(4, warmup + 5, window + 2)
 
 
 def _trajectory(out: Path, *overrides: str) -> list[tuple]:

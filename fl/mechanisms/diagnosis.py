@@ -26,6 +26,7 @@ from fl.common.checkpointable import checkpointable
 __all__ = [
     "DIAGNOSES",
     "SCOPES",
+    "WINDOW_RULES",
     "ConsistencyEMA",
     "ConsistencyRate",
     "Diagnosis",
@@ -43,6 +44,7 @@ __all__ = [
     "consistency_ratio",
     "make_diagnosis",
     "pool",
+    "stall_detector",
 ]
 
 
@@ -139,7 +141,12 @@ class ConsistencyEMA:
 
 
 def check_tuning_settings(
-    ratio: float, ema: float, window: int, window_growth: float, warmup: int
+    ratio: float,
+    ema: float,
+    window: int,
+    window_growth: float,
+    warmup: int,
+    window_rule: str = "doubling",
 ) -> None:
     """Validate the knobs shared by stall-driven tuners (GIFT, PAS), naming the bad key."""
     if ratio <= 1:
@@ -148,6 +155,34 @@ def check_tuning_settings(
         raise ValueError("strategy.ema must be in [0, 1)")
     if window < 0 or window_growth < 1 or warmup < 0:
         raise ValueError("strategy.window, warmup must be >= 0 and window_growth >= 1")
+    if window_rule not in WINDOW_RULES:
+        raise ValueError(
+            f"strategy.window_rule must be one of {list(WINDOW_RULES)}, not {window_rule!r}"
+        )
+    if window_rule == "fixed" and window < 1:
+        raise ValueError("strategy.window must be >= 1 under window_rule=fixed")
+
+
+WINDOW_RULES = ("fixed", "doubling", "one_step")
+
+
+def stall_detector(
+    numel: int, rule: str, window: int, *, growth: int = 2, warmup: int = 0
+) -> PlateauDetector:
+    """The stall test of GIFT and PAS under a window rule (spec §3.3).
+
+    `fixed` (default): a stall is `window` rounds without the value falling, the same
+    window after every action; `doubling`: GIFT's reference code, no new low for more than
+    `window` rounds and the window multiplied by `growth` after every action; `one_step`:
+    the value did not fall since last round (`window` unused).
+    """
+    if rule == "fixed":
+        return PlateauDetector.fresh(numel, window, growth=1, warmup=warmup, baseline=True)
+    if rule == "doubling":
+        return PlateauDetector.fresh(numel, window, growth=growth, warmup=warmup)
+    if rule == "one_step":
+        return PlateauDetector.fresh(numel, 0, growth=1, warmup=warmup)
+    raise ValueError(f"strategy.window_rule must be one of {list(WINDOW_RULES)}, not {rule!r}")
 
 
 @checkpointable
@@ -156,11 +191,14 @@ class PlateauDetector:
     """Per series: has it stopped reaching new lows? The GIFT/PAS stall test.
 
     Each element keeps its running minimum and the round it was reached. An element
-    "stalls" when `window` rounds passed since its last new low (and the run is past
-    `warmup`); it then restarts: minimum forgotten, window multiplied by `growth`
+    "stalls" when more than `window` rounds passed since its last new low (and the run is
+    past `warmup`); it then restarts: minimum forgotten, window multiplied by `growth`
     (longer patience after every action). Window 0 with growth 1 is the one-step test
     "no lower than last round". GIFT reference code: `_as_analyze_gradient`
     (MindSpore), `update_sync_frequency` (Plato).
+    With `baseline` (the fixed rule, `stall_detector`), the first value after a restart only
+    sets the minimum: a stall is `window` rounds in which the series did not fall below an
+    earlier value since the restart, so a series that never falls stalls every `window` rounds.
     """
 
     low: torch.Tensor  # running minimum since the last restart (+inf: none yet)
@@ -168,9 +206,12 @@ class PlateauDetector:
     window: torch.Tensor  # rounds without a new low that count as a stall
     growth: int
     warmup: int
+    baseline: bool = False  # the fixed rule's count (see above); False: the reference code's
 
     @classmethod
-    def fresh(cls, numel: int, window: int, *, growth: int = 2, warmup: int = 0) -> PlateauDetector:
+    def fresh(
+        cls, numel: int, window: int, *, growth: int = 2, warmup: int = 0, baseline: bool = False
+    ) -> PlateauDetector:
         """No minimum yet; every element starts with the same window."""
         return cls(
             torch.full((numel,), torch.inf),
@@ -178,6 +219,7 @@ class PlateauDetector:
             torch.full((numel,), window, dtype=torch.int64),
             growth,
             warmup,
+            baseline,
         )
 
     def step(
@@ -189,9 +231,14 @@ class PlateauDetector:
         the others just track their minimum.
         """
         new_low = values < self.low
-        self.low = torch.where(new_low, values.to(self.low.dtype), self.low)
+        if self.baseline:  # a first value after a restart is no fall
+            new_low &= torch.isfinite(self.low)
+            self.low = torch.minimum(self.low, values.to(self.low.dtype))
+        else:
+            self.low = torch.where(new_low, values.to(self.low.dtype), self.low)
         self.low_round = torch.where(new_low, server_round, self.low_round)
-        stalled = ~new_low & (server_round - self.low_round > self.window)
+        waited = server_round - self.low_round
+        stalled = ~new_low & (waited >= self.window if self.baseline else waited > self.window)
         if server_round <= self.warmup:
             stalled = torch.zeros_like(stalled)
         if eligible is not None:

@@ -40,6 +40,7 @@ __all__ = [
     "error_feedback",
     "error_ratio",
     "phase_error",
+    "window_start",
 ]
 
 
@@ -112,20 +113,43 @@ def checks_due(spec: Speculation, tick: int) -> torch.Tensor:
     return spec.speculating & _triangular(tick + 1 - spec.since)
 
 
+def window_start(spec: Speculation, tick: int, reset: bool) -> torch.Tensor:
+    """The tick from which errors count at the aggregation at `tick`: the phase's start
+    (`since`), or with `reset` the end of the last check the phase passed.
+
+    Checks fall at triangular elapsed ticks (1, 3, 6, ...), so the last check before the
+    aggregation ending at elapsed e is the largest triangular number below e, derived on
+    both sides; nothing travels.
+    """
+    if not reset:
+        return spec.since.clone()
+    before = (tick - spec.since).clamp_min(0)  # elapsed ticks before this aggregation
+    j = torch.floor((torch.sqrt(8 * before.double() + 1) - 1) / 2).to(torch.int64)
+    j -= (j * (j + 1) // 2 > before).to(torch.int64)  # guards against float rounding
+    j += ((j + 1) * (j + 2) // 2 <= before).to(torch.int64)
+    return spec.since + j * (j + 1) // 2
+
+
 def phase_error(
-    per_round: torch.Tensor, weights: torch.Tensor, spec: Speculation, tick: int
+    per_round: torch.Tensor,
+    weights: torch.Tensor,
+    spec: Speculation,
+    tick: int,
+    reset: bool = False,
 ) -> torch.Tensor:
-    """The global error accumulated over each scalar's speculation phase, ē.
+    """The global error accumulated over each scalar's speculation phase, ē (with
+    `reset`: since the last check it passed, `window_start`).
 
     `per_round` is (clients, scalars): each client's mean error per round it took part
     in (`ErrorFeedback.mean`); `weights` their aggregation weights. With full
     participation this is the weighted mean of the clients' accumulated errors (FedSU's
-    ē); with partial participation it scales the mean per-round error by the phase's
+    ē); with partial participation it scales the mean per-round error by the window's
     length, so clients that joined fewer rounds weigh the same (spec §5.3 proposal).
     """
     w = weights.to(torch.float64) / weights.to(torch.float64).sum()
     mean = (w[:, None] * per_round.to(torch.float64)).sum(0)
-    return (mean * (tick + 1 - spec.since).to(torch.float64)).float()
+    length = tick + 1 - window_start(spec, tick, reset)
+    return (mean * length.to(torch.float64)).float()
 
 
 def error_ratio(error: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
@@ -150,11 +174,12 @@ def error_feedback(
 
 
 class ErrorFeedback:
-    """A client's mis-prediction per speculated scalar, for the phase it started in.
+    """A client's mis-prediction per speculated scalar, for the window it started in.
 
     `error` sums x_local_end - (x_prev + s) over the rounds this client trained in the
-    phase, `rounds` counts them, and `phase` remembers which phase (its `since`): a
-    scalar whose phase changed since this client last took part starts from zero.
+    window, `rounds` counts them, and `phase` remembers which window (its start tick,
+    `window_start`: the phase's start, or the last passed check with `reset`): a scalar
+    whose window changed since this client last took part starts from zero.
     """
 
     KEY = "speculation-errors"
@@ -163,17 +188,21 @@ class ErrorFeedback:
         self.error, self.rounds, self.phase = error, rounds, phase
 
     @classmethod
-    def load(cls, state: RecordDict, spec: Speculation) -> ErrorFeedback:
-        """The accumulator kept in `state`, reset wherever `spec` started a new phase."""
+    def load(
+        cls, state: RecordDict, spec: Speculation, tick: int = 0, reset: bool = False
+    ) -> ErrorFeedback:
+        """The accumulator kept in `state` for the round trained at `tick`, reset wherever
+        a new window started (a new phase; with `reset` also a passed check)."""
         n = spec.anchor.numel()
+        start = window_start(spec, tick, reset)
         record = state.array_records.get(cls.KEY)
         if record is None or array_to_numpy(record["error"]).size != n:
-            out = cls(torch.zeros(n), torch.zeros(n, dtype=torch.int64), spec.since.clone())
+            out = cls(torch.zeros(n), torch.zeros(n, dtype=torch.int64), start.clone())
         else:
             out = cls(*(torch.from_numpy(array_to_numpy(record[k]).copy()) for k in _PARTS))
-        stale = ~spec.speculating | (out.phase != spec.since)
+        stale = ~spec.speculating | (out.phase != start)
         out.error[stale], out.rounds[stale] = 0.0, 0
-        out.phase = spec.since.clone()
+        out.phase = start.clone()
         return out
 
     def add(self, where: torch.Tensor, error: torch.Tensor) -> None:

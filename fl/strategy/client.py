@@ -9,6 +9,7 @@ deadline, the samples trained so far), so time-aware rules (FedCA's early stop) 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
@@ -31,15 +32,19 @@ class ClientTime:
     """One round on the virtual clock, as the client sees it (virtual seconds from send).
 
     The server puts its device profile and deadline into the instruction; a message
-    without them (a stock Flower server) gives an unbounded view.
+    without them (a stock Flower server) gives an unbounded view. Under a speed trace it
+    also gives the device's own speed over the round (`speed_trace`), so elapsed time
+    follows the device's slowdowns inside the round, as a real client's wall clock does.
     """
 
-    speed: float = math.inf  # training samples per second
+    speed: float = math.inf  # training samples per second, at the round's start
     up_bytes_per_s: float = math.inf
     down_bytes_per_s: float = math.inf
     deadline_s: float = math.inf  # the server stops waiting this long after sending
     download_s: float = 0.0  # the instruction's download
     samples: int = 0  # trained so far this round (the trainer counts)
+    # (seconds after sending, samples/s) from each change of speed on; empty: `speed` throughout
+    speed_trace: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def from_config(cls, config: ConfigRecord, down_bytes: int) -> ClientTime:
@@ -53,12 +58,25 @@ class ClientTime:
             down_bytes_per_s=down,
             deadline_s=float(cast(float, config["deadline-s"])),
             download_s=down_bytes / down,
+            speed_trace=_speed_trace(config.get("device-speed-trace")),
         )
 
     @property
     def elapsed_s(self) -> float:
-        """Download plus the compute of the samples trained so far."""
-        return self.download_s + self.samples / self.speed
+        """Download plus the compute of the samples trained so far (at the device's speed
+        of each moment, under a speed trace)."""
+        if not self.speed_trace:
+            return self.download_s + self.samples / self.speed
+        t, left = self.download_s, float(self.samples)
+        starts = [start for start, _ in self.speed_trace[1:]] + [math.inf]
+        for (_, speed), end in zip(self.speed_trace, starts, strict=True):
+            if end <= t:
+                continue
+            if left <= (end - t) * speed:
+                return t + left / speed
+            left -= (end - t) * speed
+            t = end
+        return t  # unreachable: the last segment lasts forever
 
     def upload_s(self, nbytes: int) -> float:
         """Seconds `nbytes` take on this device's uplink (server link not counted)."""
@@ -67,6 +85,32 @@ class ClientTime:
     def slack_s(self, reply_bytes: int) -> float:
         """Seconds left before the deadline once a reply of `reply_bytes` is uploaded."""
         return self.deadline_s - self.elapsed_s - self.upload_s(reply_bytes)
+
+
+def _speed_trace(value: Any) -> tuple[tuple[float, float], ...]:
+    """The `device-speed-trace` key (flat start, speed pairs), checked: a malformed one
+    is refused with one clear line rather than read as some other clock."""
+    if value is None:
+        return ()
+    numbers = list(value) if isinstance(value, list) else []
+    pairs = tuple(zip(numbers[::2], numbers[1::2], strict=False))
+    ok = (
+        numbers
+        and len(numbers) % 2 == 0
+        and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            for x in numbers
+        )
+        and pairs[0][0] == 0
+        and all(a[0] < b[0] for a, b in itertools.pairwise(pairs))
+        and all(speed > 0 for _, speed in pairs)
+    )
+    if not ok:
+        raise ValueError(
+            "device-speed-trace must be pairs (seconds after sending, samples/s) starting at "
+            "0, increasing, with positive speeds"
+        )
+    return tuple((float(a), float(b)) for a, b in pairs)
 
 
 class ClientHooks:

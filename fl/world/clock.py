@@ -162,6 +162,25 @@ class VirtualClock:
         load = 1.0 if self.speed_trace is None else self.speed_trace.multiplier(partition, t)
         return self.profiles[partition].speed * load
 
+    def speed_segments(
+        self, partition: int, start: float, until: float, limit: int = 64
+    ) -> list[tuple[float, float]]:
+        """`partition`'s speed from `start` on as (seconds after `start`, samples/s) at each
+        change before `until`, at most `limit` of them (the last speed holds after): what
+        the device itself sees of its speed during a round (FedCA's client clock)."""
+        segments = [(0.0, self.speed(partition, start))]
+        if self.speed_trace is None:
+            return segments
+        t = start
+        for _ in range(16 * limit):  # bounded even where the speed seldom changes
+            t = self.speed_trace.next_change_of(partition, t)
+            if not t < until or len(segments) == limit:
+                break
+            speed = self.speed(partition, t)
+            if speed != segments[-1][1]:
+                segments.append((t - start, speed))
+        return segments
+
     def submit(self, job: Job) -> None:
         """Start `job` at `now`, download first."""
         if job.key in self._keys:

@@ -76,6 +76,10 @@ class SpeedTrace:
         """The first slot boundary after `t`."""
         return (_periods(t, self.slot_s) + 1) * self.slot_s
 
+    def next_change_of(self, partition: int, t: float) -> float:
+        """The first time after `t` at which `partition`'s speed may change."""
+        return self.next_change(t)
+
     def _draw(self, partition: int, loads: list[float]) -> None:
         """Extend `partition`'s loads by one block of slots from its own generator."""
         if partition not in self._rngs:
@@ -144,6 +148,11 @@ class ToggleTrace:
             (ends := self._grow(p, t))[bisect.bisect_right(ends, t)]
             for p in range(self.num_clients)
         )
+
+    def next_change_of(self, partition: int, t: float) -> float:
+        """The first toggle of `partition` after `t`."""
+        ends = self._grow(partition, t)
+        return ends[bisect.bisect_right(ends, t)]
 
     def _grow(self, partition: int, t: float) -> list[float]:
         """`partition`'s periods, drawn until one ends after `t`."""
