@@ -26,7 +26,15 @@ import yaml
 from fl.common.files import read_regular_text
 from fl.run.intervals import interval
 
-__all__ = ["Run", "compare_runs", "find_runs", "load_run", "main"]
+__all__ = [
+    "Run",
+    "compare_runs",
+    "find_runs",
+    "load_run",
+    "main",
+    "paired_figures",
+    "seed_arms",
+]
 
 DIAGNOSTICS = (
     "frozen_fraction",
@@ -182,28 +190,51 @@ def _traffic(summary: dict[str, Any]) -> float:
     return float(summary["total_bytes_up"] + summary["total_bytes_down"])
 
 
-def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
-    """Each arm against `reference` on the seeds both ran: Δ final accuracy, traffic ×
-    and virtual time to target × (seeds where both reached it), mean [95 % t-interval]."""
+def seed_arms(run_dirs: Sequence[Path]) -> dict[str, list[Run]]:
+    """The runs of `run_dirs` grouped by arm, labelled as the comparison's tables label them
+    ({} unless some arm ran several seeds)."""
+    runs = [load_run(d) for d in run_dirs]
+    return _arms(runs, _varying(runs))
+
+
+def paired_figures(
+    arms: Mapping[str, list[Run]], reference: str
+) -> dict[str, dict[str, list[float]]]:
+    """Each arm against `reference` on the seeds both ran, one value per seed: Δ final
+    accuracy (`final_accuracy`), `traffic` × and virtual time to target × (`time_to_target`,
+    the seeds where both reached it)."""
     ref = {_seed_of(r): r.summary for r in arms[reference]}
-    head = ["arm", "seeds paired", "Δ final acc", "traffic ×", "virtual s to target ×"]
-    lines = [_row(head), "|" + "---|" * len(head)]
+    out = {}
     for arm, members in arms.items():
         pairs = [(m.summary, ref[seed]) for m in members if (seed := _seed_of(m)) in ref]
         if arm == reference or not pairs:
             continue
-        times = [
-            a["time_to_target_s"] / b["time_to_target_s"]
-            for a, b in pairs
-            if a.get("time_to_target_s") is not None and b.get("time_to_target_s")
-        ]
+        out[arm] = {
+            "final_accuracy": [a["final_accuracy"] - b["final_accuracy"] for a, b in pairs],
+            "traffic": [_traffic(a) / _traffic(b) for a, b in pairs],
+            "time_to_target": [
+                a["time_to_target_s"] / b["time_to_target_s"]
+                for a, b in pairs
+                if a.get("time_to_target_s") is not None and b.get("time_to_target_s")
+            ],
+        }
+    return out
+
+
+def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
+    """Each arm against `reference` on the seeds both ran: Δ final accuracy, traffic ×
+    and virtual time to target × (seeds where both reached it), mean [95 % t-interval]."""
+    head = ["arm", "seeds paired", "Δ final acc", "traffic ×", "virtual s to target ×"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for arm, figures in paired_figures(arms, reference).items():
+        times = figures["time_to_target"]
         lines.append(
             _row(
                 [
                     arm,
-                    str(len(pairs)),
-                    _spread([a["final_accuracy"] - b["final_accuracy"] for a, b in pairs], 4),
-                    _spread([_traffic(a) / _traffic(b) for a, b in pairs], 3),
+                    str(len(figures["traffic"])),
+                    _spread(figures["final_accuracy"], 4),
+                    _spread(figures["traffic"], 3),
                     f"{_spread(times, 3)} ({len(times)} seeds)" if times else "-",
                 ]
             )
