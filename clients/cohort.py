@@ -293,23 +293,9 @@ def train_cohort(
             raise ValueError("this client has no training data")
         if not type(m.hooks).cohort_safe:
             raise ValueError(f"{type(m.hooks).__name__} does not declare cohort_safe")
-    momentum, decay = members[0].settings.momentum, members[0].settings.weight_decay
-    kind, betas, eps = (
-        members[0].settings.optimizer,
-        members[0].settings.betas,
-        members[0].settings.eps,
-    )
-    if any(
-        (
-            m.settings.momentum,
-            m.settings.weight_decay,
-            m.settings.optimizer,
-            m.settings.betas,
-            m.settings.eps,
-        )
-        != (momentum, decay, kind, betas, eps)
-        for m in members
-    ):
+    first = members[0].settings
+    momentum, decay, kind, betas, eps = _optimizer_of(first)
+    if any(_optimizer_of(m.settings) != _optimizer_of(first) for m in members):
         raise ValueError("a cohort shares one optimizer, momentum, weight decay, betas and eps")
     plan = _Plan(members, device)
     order = plan.order
@@ -331,11 +317,9 @@ def train_cohort(
     rates = _Rates(members, order, device)
     kept = None  # the moments of a stateful optimizer, kept across rounds
     if kind != "sgd":
-        numel = layout.numel
-        memories = [members[i].memory or OptimizerState.fresh(kind, numel) for i in order]
         kept = StackedMoments(
             kind,
-            [m for m in memories if m is not None],
+            [members[i].memory or OptimizerState.zeros(kind, layout.numel) for i in order],
             lambda rows: _stack_params(layout, rows, device),
             (momentum, decay, betas, eps),
             device,
@@ -383,6 +367,17 @@ def train_cohort(
     if kept is not None:
         _keep_moments(members, order, kept, plan.steps)
     return out_rows, [r for r in results if r is not None]
+
+
+def _optimizer_of(settings: TrainSettings) -> tuple[float, float, str, tuple[float, float], float]:
+    """What a cohort's members must share: momentum, weight decay, optimizer, betas, eps."""
+    return (
+        settings.momentum,
+        settings.weight_decay,
+        settings.optimizer,
+        settings.betas,
+        settings.eps,
+    )
 
 
 def _keep_moments(

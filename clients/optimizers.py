@@ -10,6 +10,10 @@ rest of the node's memory. It is read back as untrusted data: exactly the moment
 optimizer keeps, one float32 value per model parameter scalar, finite, a step count ≥ 0
 and second moments ≥ 0, else one ValueError line naming what is wrong.
 
+Under APF the moments of a frozen scalar keep integrating its gradient while the roll-back
+after every step holds its value (our choice: the spec says nothing; the paper's code rolls
+values back after `optimizer.step()` the same way), so it resumes from them when it thaws.
+
 `StackedMoments` is the same update for a cohort (`clients.cohort`): every client's
 moments stacked on a leading client axis, each client with its own step count, in the
 order and arithmetic of `torch.optim.SGD` / `torch.optim.Adam` (single-tensor path).
@@ -77,8 +81,11 @@ class OptimizerState:
     @classmethod
     def fresh(cls, optimizer: str, numel: int) -> OptimizerState | None:
         """A client that has not trained yet (None for `sgd`, which keeps nothing)."""
-        if not MOMENTS[optimizer]:
-            return None
+        return cls.zeros(optimizer, numel) if MOMENTS[optimizer] else None
+
+    @classmethod
+    def zeros(cls, optimizer: str, numel: int) -> OptimizerState:
+        """Step 0 and zero moments: what torch's optimizers start from."""
         return cls(0, {name: torch.zeros(numel) for name in MOMENTS[optimizer]})
 
     @classmethod
