@@ -209,7 +209,10 @@ def record_sweep(
     """Fill record `stem`'s sweep-measured conditions from a finished sweep and write it."""
     path = folder / f"{stem}.json"
     record = check_record(json.loads(read_regular_text(path)), str(path))
-    arms = seed_arms(find_runs(sweep))
+    runs = find_runs(sweep)
+    if not runs:
+        raise RecordError(f"{sweep}: holds no finished run (summary.json)")
+    arms = seed_arms(runs)
     if record["reference"] not in arms:
         raise RecordError(f"{sweep}: no arm {record['reference']!r} (arms: {sorted(arms)})")
     figures = paired_figures(arms, record["reference"])

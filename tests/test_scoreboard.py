@@ -144,6 +144,8 @@ def test_record_mode_names_a_missing_arm(tmp_path):
         _run(sweep / str(2 * seed + 1), ["strategy=pas", f"seed={seed}"], 0.9, 1.0, 1.0)
     with pytest.raises(RecordError, match="no arm 'strategy=apf'"):
         record_sweep(sweep, "apf", "cmd", "2026-12-05", folder=records)
+    with pytest.raises(RecordError, match="holds no finished run"):
+        record_sweep(tmp_path / "empty", "apf", "cmd", "2026-12-05", folder=records)
 
 
 def test_a_malformed_record_is_refused_with_its_fault():
