@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from clients.cohort import Member, cohort_unfit
 from clients.cohort import train_cohort as train_cohort_of
+from clients.optimizers import OptimizerState
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
 from fl.common.seeding import derive_seed, pin_torch_threads
@@ -100,6 +101,9 @@ def _make_setup(cfg: DictConfig) -> _Setup:
         lr=cfg.lr,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
+        optimizer=str(cfg.optimizer),
+        betas=(float(cfg.betas[0]), float(cfg.betas[1])),
+        eps=float(cfg.eps),
     )
     params = spec.make_params(strategy)
     dp = DPSGD.from_config(cfg)
@@ -166,6 +170,7 @@ class Round:
     settings: TrainSettings
     partition: int
     data: tuple[torch.Tensor, torch.Tensor]
+    memory: OptimizerState | None = None  # the optimizer's state from this node's past rounds
 
 
 # A trainer runs a prepared round in place; its second value gives the reply's own metrics
@@ -203,7 +208,9 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
-    return Round(setup, config, model, hooks, settings, partition, data)
+    numel = sum(p.numel() for p in model.parameters())
+    memory = OptimizerState.load(context.state, settings.optimizer, numel)
+    return Round(setup, config, model, hooks, settings, partition, data, memory)
 
 
 def finish_round(
@@ -216,6 +223,8 @@ def finish_round(
     """The reply: the hooks encode the trained model; the metrics the server checks."""
     hooks, data, partition = prepared.hooks, prepared.data, prepared.partition
     records, extra = hooks.end(prepared.model, context.state, prepared.setup.task.layout)
+    if prepared.memory is not None:
+        prepared.memory.save(context.state)
     metrics = new_record(
         MetricRecord,
         {
@@ -238,7 +247,9 @@ def train_in_process(
     """Local SGD in this process, with DP-SGD when the run asks for it."""
     dp, (x, y) = prepared.setup.dp, prepared.data
     private = dp.session(len(y), prepared.config, prepared.settings.seed) if dp else None
-    result = train_locally(prepared.model, x, y, prepared.hooks, prepared.settings, private)
+    result = train_locally(
+        prepared.model, x, y, prepared.hooks, prepared.settings, private, prepared.memory
+    )
     return result, lambda: private.account(context.state, result.steps) if private else {}
 
 
@@ -334,7 +345,8 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
             continue
         start = layout.read(prepared.model)
         x, y = prepared.data
-        members.append((i, prepared, Member(start, x, y, prepared.hooks, prepared.settings)))
+        member = Member(start, x, y, prepared.hooks, prepared.settings, prepared.memory)
+        members.append((i, prepared, member))
     # a failure here is ours, not a client's: it stops the run rather than turning every
     # client of the round into an error reply
     cohort = [member for *_, member in members]

@@ -79,6 +79,11 @@ def train(msg: Message, context: Context) -> Message:
     ) -> tuple[LocalResult, Callable[[], dict[str, Any]]]:
         if prepared.setup.dp is not None:
             raise ValueError("privacy=dpsgd does not run on a cluster client (per-rank clipping)")
+        if prepared.settings.optimizer != "sgd":  # its state would live on rank 0 alone
+            raise ValueError(
+                f"optimizer={prepared.settings.optimizer} does not run on a "
+                "cluster client (its ranks train with optimizer=sgd)"
+            )
         instruction = Instruction(
             dict(context.run_config),
             prepared.partition,

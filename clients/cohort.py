@@ -20,7 +20,9 @@ have done alone is kept:
 - **Its optimizer.** SGD with the run's momentum and weight decay, each client's own
   learning rate per step (its `lr` hook), and FedProx's proximal pull μ·(w − w_anchor)
   when the hooks declare one (`ClientHooks.proximal_pull`), in `torch.optim.SGD`'s order:
-  pull, weight decay, momentum, step.
+  pull, weight decay, momentum, step. With `optimizer=momentum|adam|adamw` each client's
+  moments and step count, from its own earlier rounds, are stacked too and updated as
+  `torch.optim.SGD` / `Adam` / `AdamW` would (`clients.optimizers.StackedMoments`).
 - **Its metrics.** steps, samples and the sample-weighted mean loss per client, so the
   virtual clock charges each client its own time.
 
@@ -46,6 +48,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.utils.rnn import pad_sequence
 
+from clients.optimizers import OptimizerState, StackedMoments
 from clients.trainer import LocalResult, TrainSettings, _batches
 from fl.strategy.client import ClientHooks
 from fl.wire.records import Layout
@@ -80,13 +83,15 @@ _STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 @dataclass
 class Member:
     """One client of a cohort: its starting weights (a flat float32 vector in `Layout`
-    order, after its hooks' `load` and `begin`), its data, its hooks and its settings."""
+    order, after its hooks' `load` and `begin`), its data, its hooks, its settings and its
+    optimizer's memory (updated in place; None: fresh)."""
 
     start: torch.Tensor
     x: torch.Tensor
     y: torch.Tensor
     hooks: ClientHooks
     settings: TrainSettings
+    memory: OptimizerState | None = None
 
 
 def cohort_unfit(model: nn.Module) -> str | None:
@@ -276,7 +281,7 @@ def train_cohort(
 
     `model` gives the architecture (its own weights are not used or changed). Returns the
     trained weights, one flat float32 CPU row per member in the order given, and each
-    member's `LocalResult`. Members must share the momentum and weight decay (one run's).
+    member's `LocalResult`. Members must share the optimizer and its settings (one run's).
     """
     if not members:
         return torch.empty(0, layout.numel), []
@@ -288,9 +293,10 @@ def train_cohort(
             raise ValueError("this client has no training data")
         if not type(m.hooks).cohort_safe:
             raise ValueError(f"{type(m.hooks).__name__} does not declare cohort_safe")
-    momentum, decay = members[0].settings.momentum, members[0].settings.weight_decay
-    if any((m.settings.momentum, m.settings.weight_decay) != (momentum, decay) for m in members):
-        raise ValueError("a cohort shares one momentum and one weight decay")
+    first = members[0].settings
+    momentum, decay, kind, betas, eps = _optimizer_of(first)
+    if any(_optimizer_of(m.settings) != _optimizer_of(first) for m in members):
+        raise ValueError("a cohort shares one optimizer, momentum, weight decay, betas and eps")
     plan = _Plan(members, device)
     order = plan.order
     x = torch.cat([m.x for m in members]).to(device)
@@ -309,6 +315,15 @@ def train_cohort(
         anchors = _stack_params(layout, torch.stack(rows), device)
     buffers = {n: torch.zeros_like(w) for n, w in weights.items()} if momentum else {}
     rates = _Rates(members, order, device)
+    kept = None  # the moments of a stateful optimizer, kept across rounds
+    if kind != "sgd":
+        kept = StackedMoments(
+            kind,
+            [members[i].memory or OptimizerState.zeros(kind, layout.numel) for i in order],
+            lambda rows: _stack_params(layout, rows, device),
+            (momentum, decay, betas, eps),
+            device,
+        )
 
     gradients = _gradients(model)
     loss_sum = torch.zeros(len(members), device=device)
@@ -318,12 +333,17 @@ def train_cohort(
         params = {n: w[:active] for n, w in weights.items()}
         grads, losses = gradients(params, x[rows], y[rows], mask.to(x.dtype), sizes)
         lr = rates.at(s, active)
+        if kept is not None:
+            kept.begin_step(s, active, lr)
         with torch.no_grad():
             for name, stacked in weights.items():
                 w, g = stacked[:active], grads[name]  # a weight the loss does not reach: KeyError
                 view = (active,) + (1,) * (w.dim() - 1)
                 if anchors is not None:
                     g = g + mu[:active].view(view) * (w - anchors[name][:active])
+                if kept is not None:
+                    kept.apply(name, w, g, lr.view(view))
+                    continue
                 if decay:
                     g = g + decay * w
                 if momentum:
@@ -344,4 +364,34 @@ def train_cohort(
         out_rows[i] = trained[rank]
         results[i] = LocalResult(int(plan.steps[rank]), samples[rank], means[rank])
         members[i].hooks.time.samples = samples[rank]
+    if kept is not None:
+        _keep_moments(members, order, kept, plan.steps)
     return out_rows, [r for r in results if r is not None]
+
+
+def _optimizer_of(settings: TrainSettings) -> tuple[float, float, str, tuple[float, float], float]:
+    """What a cohort's members must share: momentum, weight decay, optimizer, betas, eps."""
+    return (
+        settings.momentum,
+        settings.weight_decay,
+        settings.optimizer,
+        settings.betas,
+        settings.eps,
+    )
+
+
+def _keep_moments(
+    members: Sequence[Member], order: list[int], kept: StackedMoments, steps: torch.Tensor
+) -> None:
+    """Each member's optimizer memory after the round (a fresh one where it had none)."""
+    rows = {name: kept.rows(name) for name in kept.moments}
+    for rank, i in enumerate(order):
+        taken = int(steps[rank])
+        memory = members[i].memory
+        if memory is None:
+            memory = members[i].memory = OptimizerState(0, {})
+        if taken:
+            memory.moments = {name: rows[name][rank].clone() for name in rows}
+            memory.step += taken
+        elif not memory.moments:
+            memory.moments = {name: torch.zeros(rows[name].shape[1]) for name in rows}

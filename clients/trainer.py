@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clients.optimizers import OptimizerState, make_optimizer
 from fl.strategy.client import ClientHooks
 
 __all__ = ["LocalResult", "Privatizer", "TrainSettings", "train_locally"]
@@ -27,6 +28,9 @@ class TrainSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+    optimizer: str = "sgd"  # sgd | momentum | adam | adamw (clients.optimizers)
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam's
+    eps: float = 1e-8  # Adam's
 
 
 class Privatizer(Protocol):
@@ -74,22 +78,31 @@ def train_locally(
     hooks: ClientHooks,
     settings: TrainSettings,
     private: Privatizer | None = None,
+    memory: OptimizerState | None = None,
 ) -> LocalResult:
-    """Minibatch SGD over in-memory (x, y); hooks may change every step.
+    """Minibatch training over in-memory (x, y); hooks may change every step.
 
     Batches are slices of a seeded permutation, not a DataLoader, so a simulated client
     costs little more than its arithmetic. With `private`, the optimizer clips and noises
-    per-sample gradients and batches may be Poisson samples (possibly empty).
+    per-sample gradients and batches may be Poisson samples (possibly empty). `memory`, the
+    client's optimizer state from its earlier rounds (`clients.optimizers`), is restored
+    into the optimizer first and updated in place at the end.
     """
     if len(y) == 0:
         raise ValueError("this client has no training data")
     generator = torch.Generator().manual_seed(settings.seed)
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=settings.lr,
-        momentum=settings.momentum,
-        weight_decay=settings.weight_decay,
+    params = list(model.parameters())
+    optimizer = base = make_optimizer(
+        params,
+        settings.optimizer,
+        settings.lr,
+        settings.momentum,
+        settings.weight_decay,
+        settings.betas,
+        settings.eps,
     )
+    if memory is not None:
+        memory.restore(base, params)
     batches = _batches(len(y), generator, settings, hooks)
     if private is not None:
         optimizer = private.attach(model, optimizer, lambda: hooks.before_step(model))
@@ -128,4 +141,6 @@ def train_locally(
     finally:
         if private is not None:
             private.detach()
+    if memory is not None:
+        memory.keep(base, params, steps)
     return LocalResult(steps, samples, float(loss_sum) / max(samples, 1))

@@ -35,7 +35,16 @@ from fl.run.intervals import (
     interval,
 )
 
-__all__ = ["NOT_REACHED", "Run", "compare_runs", "find_runs", "load_run", "main"]
+__all__ = [
+    "NOT_REACHED",
+    "Run",
+    "compare_runs",
+    "find_runs",
+    "load_run",
+    "main",
+    "paired_figures",
+    "seed_arms",
+]
 
 log = logging.getLogger(__name__)
 NOT_REACHED = "not reached"  # a target a run never reached: one spelling in every table
@@ -215,37 +224,56 @@ def _traffic(summary: dict[str, Any]) -> float:
     return float(summary["total_bytes_up"] + summary["total_bytes_down"])
 
 
-def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
-    """Each arm against `reference` on the seeds both ran: Δ final accuracy, traffic ×
-    and virtual time to target × (seeds where both reached it), mean [95 % t-interval]."""
+def seed_arms(run_dirs: Sequence[Path]) -> dict[str, list[Run]]:
+    """The runs of `run_dirs` grouped by arm, labelled as the comparison's tables label them
+    ({} unless some arm ran several seeds)."""
+    runs = [load_run(d) for d in run_dirs]
+    return _arms(runs, _varying(runs))
+
+
+def paired_figures(
+    arms: Mapping[str, list[Run]], reference: str
+) -> dict[str, dict[str, list[float]]]:
+    """Each arm against `reference` on the seeds both ran, one value per seed: Δ final
+    accuracy (`final_accuracy`), `traffic` × and virtual time to target × (`time_to_target`,
+    the seeds where both reached it)."""
     ref = {_seed_of(r): r.summary for r in arms[reference]}
-    head = ["arm", "seeds paired", "Δ final acc", "traffic ×", "virtual s to target ×"]
-    lines = [_row(head), "|" + "---|" * len(head)]
+    out = {}
     for arm, members in arms.items():
         pairs = [(m.summary, ref[seed]) for m in members if (seed := _seed_of(m)) in ref]
         if arm == reference or not pairs:
             continue
-        times = [
-            a["time_to_target_s"] / b["time_to_target_s"]
-            for a, b in pairs
-            if a.get("time_to_target_s") is not None and b.get("time_to_target_s")
-        ]
+        out[arm] = {
+            "final_accuracy": [a["final_accuracy"] - b["final_accuracy"] for a, b in pairs],
+            "traffic": [_traffic(a) / _traffic(b) for a, b in pairs],
+            "time_to_target": [
+                a["time_to_target_s"] / b["time_to_target_s"]
+                for a, b in pairs
+                if a.get("time_to_target_s") is not None and b.get("time_to_target_s")
+            ],
+        }
+    return out
+
+
+def _paired_table(arms: Mapping[str, list[Run]], reference: str) -> str:
+    """Each arm against `reference` on the seeds both ran: Δ final accuracy, traffic ×
+    and virtual time to target × (seeds where both reached it), mean [95 % t-interval]."""
+    head = ["arm", "seeds paired", "Δ final acc", "traffic ×", "virtual s to target ×"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    targeted = arms[reference][0].summary.get("target_accuracy") is not None
+    for arm, figures in paired_figures(arms, reference).items():
+        times = figures["time_to_target"]
         lines.append(
             _row(
                 [
                     arm,
-                    str(len(pairs)),
-                    _spread(
-                        [a["final_accuracy"] - b["final_accuracy"] for a, b in pairs],
-                        4,
-                        DIFFERENCE,
-                        identity=0.0,
-                    ),
-                    _spread([_traffic(a) / _traffic(b) for a, b in pairs], 3, identity=1.0),
+                    str(len(figures["traffic"])),
+                    _spread(figures["final_accuracy"], 4, DIFFERENCE, identity=0.0),
+                    _spread(figures["traffic"], 3, identity=1.0),
                     f"{_spread(times, 3, identity=1.0)} ({len(times)} seeds)"
                     if times
                     else NOT_REACHED
-                    if pairs[0][1].get("target_accuracy") is not None
+                    if targeted
                     else "-",
                 ]
             )

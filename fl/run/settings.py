@@ -22,6 +22,7 @@ __all__ = [
     "DEVICES",
     "FORK_FROM",
     "MAX_SEED",
+    "OPTIMIZERS",
     "OUTPUT_DIR_RULE",
     "check_keys",
     "check_run",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the client's (clients/optimizers.py)
 MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
 FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
 OUTPUT_DIR_RULE = (
@@ -83,6 +85,7 @@ def check_run(cfg: DictConfig) -> None:
     check_number(cfg, "round_timeout_s", 0, strict=True, null=True)
     check_number(cfg, "momentum", 0)
     check_number(cfg, "weight_decay", 0)
+    check_optimizer(cfg)
     bound = cfg.max_update_norm
     require(
         isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 0,
@@ -109,6 +112,25 @@ def check_run(cfg: DictConfig) -> None:
         OUTPUT_DIR_RULE,
     )
     check_choice(cfg, "device", DEVICES)
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """`optimizer` is one we train with; momentum's needs a momentum, Adam's betas and eps."""
+    check_choice(cfg, "optimizer", OPTIMIZERS)
+    if cfg.optimizer == "momentum":
+        require(cfg.momentum > 0, "momentum", cfg.momentum, "optimizer=momentum needs > 0")
+    betas = cfg.betas
+    require(
+        OmegaConf.is_list(betas)
+        and len(betas) == 2
+        and all(
+            isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
+        ),
+        "betas",
+        OmegaConf.to_container(betas) if OmegaConf.is_list(betas) else betas,
+        "must be two numbers in [0, 1)",
+    )
+    check_number(cfg, "eps", 0, strict=True)
 
 
 def run_overrides(saved: object, source: str) -> list[str]:

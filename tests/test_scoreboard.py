@@ -1,0 +1,170 @@
+"""The scoreboard: docs/REPRODUCTIONS.md is the renderer's output on the committed records,
+its verdicts follow from interval and bar, and `--record` fills a record from a sweep."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments import scoreboard
+from experiments.scoreboard import (
+    FAILS,
+    INCONCLUSIVE,
+    REPRODUCES,
+    RecordError,
+    check_record,
+    condition_verdict,
+    load_records,
+    record_sweep,
+    render,
+    verdict,
+)
+from fl.run.intervals import interval
+
+SYSTEMS = [
+    "APF",
+    "APF#",
+    "APF++",
+    "PAS",
+    "GIFT",
+    "FedSU",
+    "FedCA",
+    "FedCA+",
+    "2D-LRD",
+    "ASFL",
+    "R2SP",
+    "FL-R2SP",
+    "LB-BSP",
+    "metric grafting",
+    "DPBalance",
+]
+
+
+def test_the_committed_page_is_the_renderers_output():
+    committed = scoreboard.DOC.read_text()
+    assert render(load_records()) == committed, "run: python experiments/scoreboard.py"
+    readme = (scoreboard.ROOT / "README.md").read_text().splitlines()
+    after_commands = readme[readme.index("```", 3) + 1 : readme.index("```", 3) + 3]
+    assert any("docs/REPRODUCTIONS.md" in line for line in after_commands)
+
+
+def test_one_row_per_system_in_order():
+    records = load_records()
+    assert [r["system"] for r in records] == SYSTEMS
+    rows = [line for line in scoreboard.DOC.read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows[1:]] == SYSTEMS
+
+
+@pytest.mark.parametrize(
+    "rule, low, high, expected",
+    [
+        ("at_most", 0.40, 0.55, REPRODUCES),  # wholly below the bar 0.6
+        ("at_most", 0.55, 0.65, INCONCLUSIVE),  # holds it
+        ("at_most", 0.60, 0.70, INCONCLUSIVE),  # touches it
+        ("at_most", 0.61, 0.70, FAILS),
+        ("at_least", 0.61, 0.70, REPRODUCES),
+        ("at_least", 0.50, 0.60, INCONCLUSIVE),
+        ("at_least", 0.40, 0.59, FAILS),
+    ],
+)
+def test_a_conditions_verdict_follows_its_interval_and_bar(rule, low, high, expected):
+    condition = {"rule": rule, "bar": 0.6, "lo": low, "hi": high}
+    assert condition_verdict(condition) == expected
+
+
+def test_every_committed_verdict_follows_the_rule():
+    """Each record's verdict, recomputed here from its intervals: any condition wholly on
+    the wrong side fails the system, all wholly on the right side pass it; a failure
+    carries its measured reason, and the page shows the reason only for failures."""
+    page = scoreboard.DOC.read_text()
+    seen = set()
+    for record in load_records():
+        sides = []
+        for c in record["conditions"]:
+            good = c["hi"] < c["bar"] if c["rule"] == "at_most" else c["lo"] > c["bar"]
+            bad = c["lo"] > c["bar"] if c["rule"] == "at_most" else c["hi"] < c["bar"]
+            sides.append("good" if good else "bad" if bad else "open")
+        expected = FAILS if "bad" in sides else REPRODUCES if set(sides) == {"good"} else None
+        assert verdict(record) == (expected or INCONCLUSIVE), record["system"]
+        if verdict(record) == FAILS:
+            assert len(record["reason"]) > 40 and record["reason"] in page
+        row = next(line for line in page.splitlines() if line.startswith(f"| {record['system']} |"))
+        assert f"**{verdict(record)}**" in row
+        seen.add(verdict(record))
+    assert seen == {REPRODUCES, FAILS, INCONCLUSIVE}  # the table can say each
+
+
+def _run(folder: Path, overrides: list[str], final: float, traffic: float, time: float) -> None:
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (folder / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy": final}) + "\n")
+    summary = {
+        "final_accuracy": final,
+        "best_accuracy": final,
+        "total_bytes_up": traffic,
+        "total_bytes_down": 0,
+        "total_payload_bytes_up": traffic,
+        "total_payload_bytes_down": 0,
+        "virtual_time_s": time,
+        "time_to_target_s": time,
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_record_mode_fills_a_record_from_a_sweeps_paired_figures(tmp_path):
+    """A sweep of FedAvg and APF over three seeds: APF's traffic and Δ accuracy, paired seed
+    by seed, become the record's figures with fl.run.intervals' intervals; the verdict
+    follows from them; the page renders from the new record."""
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    shutil.copytree(scoreboard.RECORDS, records)
+    apf = {0: (0.95, 50.0), 1: (0.94, 45.0), 2: (0.96, 55.0)}
+    for seed, (final, traffic) in apf.items():
+        _run(sweep / str(2 * seed), ["strategy=fedavg", f"seed={seed}"], 0.95, 100.0, 10.0)
+        _run(sweep / str(2 * seed + 1), ["strategy=apf", f"seed={seed}"], final, traffic, 9.0)
+    record = record_sweep(sweep, "apf", "fl-run -m ...", "2026-12-05", folder=records)
+    traffic, accuracy = record["conditions"]
+    assert traffic["seeds"] == [0.5, 0.45, 0.55]
+    assert (traffic["mean"], traffic["lo"], traffic["hi"]) == interval([0.5, 0.45, 0.55])
+    assert accuracy["seeds"] == pytest.approx([0.0, -1.0, 1.0])
+    assert verdict(record) == INCONCLUSIVE  # traffic [0.376, 0.624] holds the bar 0.6
+    assert record["source"]["date"] == "2026-12-05"
+    assert json.loads((records / "apf.json").read_text()) == record
+    assert "**0.500** [0.376, 0.624]" in render(load_records(records))
+
+
+def test_record_mode_names_a_missing_arm(tmp_path):
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    shutil.copytree(scoreboard.RECORDS, records)
+    for seed in (0, 1):
+        _run(sweep / str(2 * seed), ["strategy=fedavg", f"seed={seed}"], 0.9, 1.0, 1.0)
+        _run(sweep / str(2 * seed + 1), ["strategy=pas", f"seed={seed}"], 0.9, 1.0, 1.0)
+    with pytest.raises(RecordError, match="no arm 'strategy=apf'"):
+        record_sweep(sweep, "apf", "cmd", "2026-12-05", folder=records)
+    with pytest.raises(RecordError, match="holds no finished run"):
+        record_sweep(tmp_path / "empty", "apf", "cmd", "2026-12-05", folder=records)
+
+
+def test_a_malformed_record_is_refused_with_its_fault():
+    good = load_records()[0]
+    bad = json.loads(json.dumps(good))
+    bad["conditions"][0]["lo"] = bad["conditions"][0]["mean"] + 1
+    with pytest.raises(RecordError, match="lo <= mean <= hi"):
+        check_record(bad, "apf.json")
+    failing = json.loads(json.dumps(load_records()[5]))  # FedSU: does not reproduce
+    failing["reason"] = " "
+    with pytest.raises(RecordError, match="a failure needs a reason"):
+        check_record(failing, "fedsu.json")
+
+
+def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "REPRODUCTIONS.md"
+    stale.write_text("old\n")
+    monkeypatch.setattr(scoreboard, "DOC", stale)
+    assert scoreboard.main(["--check"]) == 1
+    assert "is not up to date" in capsys.readouterr().err
+    assert scoreboard.main([]) == 0
+    assert scoreboard.main(["--check"]) == 0
