@@ -1,9 +1,10 @@
 """Metric grafting: any diagnosis drives any action through a named control law.
 
 Our reconstruction of the study design of Zhang et al., "Boosting Gradient-based Training
-Diagnosis for Efficient and Accurate Federated Learning" (TMC 2026): only its bib entry
-was available, so the metric catalogue, the grafts, SDMA/MDMA and the rescaling below are
-OUR design (spec algorithms_b.md §4.3), not the paper's.
+Diagnosis for Efficient and Accurate Federated Learning" (TMC 2026): only its abstract
+is known (spec algorithms_b.md §4.1: a graft keeps its original's action and law in its
+own units), so the metric catalogue, the grafts, SDMA/MDMA and the mapping below are
+OUR design (spec §4.3), not the paper's.
 
 `strategy.action` names one action or several joined by `+` (`fl.mechanisms.actions`: period,
 scalar_period, freeze, bits, sparsity, lr); `strategy.diagnosis` names one diagnosis
