@@ -1,9 +1,10 @@
 """Metric grafting: any diagnosis drives any action through a named control law.
 
 Our reconstruction of the study design of Zhang et al., "Boosting Gradient-based Training
-Diagnosis for Efficient and Accurate Federated Learning" (TMC 2026): only its bib entry
-was available, so the metric catalogue, the grafts, SDMA/MDMA and the rescaling below are
-OUR design (spec algorithms_b.md §4.3), not the paper's.
+Diagnosis for Efficient and Accurate Federated Learning" (TMC 2026): only its abstract
+is known (spec algorithms_b.md §4.1: a graft keeps its original's action and law in its
+own units), so the metric catalogue, the grafts, SDMA/MDMA and the mapping below are
+OUR design (spec §4.3), not the paper's.
 
 `strategy.action` names one action or several joined by `+` (`fl.mechanisms.actions`: period,
 scalar_period, freeze, bits, sparsity, lr); `strategy.diagnosis` names one diagnosis
@@ -13,20 +14,29 @@ order (MDMA); `strategy.monitor` adds diagnoses that are only logged (`action=no
 FedAvg with every metric logged, the oracle's base run). Each diagnosis is observed
 once per round, after aggregation, and logged as `diagnosis_<name>` (its global mean).
 
-Laws (`fl.mechanisms.laws`) and how a metric is rescaled to the original's range:
-- `ratio` (AdaComm, AdaQuantFL), for period / bits / sparsity / lr: the metric is taken
-  relative to its first value, m_k / m_1, which is the loss ratio's own scale (1 at the
-  start, falling as training settles). τ = ceil((m_k/m_1)^e τ_0); bits = the narrowest
-  codec width holding (m_k/m_1)^-e b_0; top-k share = (m_k/m_1)^-e f_0; lr scale =
-  (m_k/m_1)^e (e = `exponent`, 0.5 in both papers). Our codecs offer 8, 16 and 32 bits,
-  so b_0 = 4 bits demanded is served by q8 until the loss falls 4x, then f16, then dense
-  past 16x (AdaQuantFL's levels, mapped onto the widths we have).
+Laws (`fl.mechanisms.laws`). A graft keeps its original's action and law in the
+original's own units (spec §4.1); only the metric fed to the law changes:
+- `ratio` (AdaComm, AdaQuantFL), for period / bits / sparsity / lr, in the loss ratio's
+  units q_k: the loss ratio F_k / F_1 itself, or for a grafted diagnosis m its
+  `gap_ratio` (m_k - m_*) / (m_1 - m_*), m_* the value where m's own original calls
+  training settled (`settled_value`: APF's T_s 0.05, FedSU's T_R 0.01, CMFL's 0.7, Gaia's
+  0, and the 0.1 at which PAS's analysis sees gradients counteract). The
+  loss ratio is the same gap with F settled at 0, so each diagnosis moves the knob across
+  the whole range as it travels its own: τ = ceil(q^e τ_0) down to `min_steps`; bits =
+  the narrowest codec width holding q^-e b_0, from b_0 up to 32; top-k share = q^-e f_0;
+  lr scale = q^e (e = `exponent`, 0.5 in both papers). Widths are 2, 4 (packed codes),
+  8, 16 and 32 bits, so b_0 = 4 is served at 4 bits. (Before issue 35 the law read
+  m_k / m_1, which left consistency-driven grafts almost inert.)
 - `plateau` (GIFT), for the same actions: a stall (no new low for W rounds,
   `PlateauDetector`) divides τ and the lr scale by ρ, widens bits one step and
   multiplies the top-k share by ρ. Any monotone rescaling gives the same decisions.
-- `freeze` always uses APF's law (per-scalar value < `threshold`, then AIMD lengths) and
-  `scalar_period` PAS's (per-scalar stall, τ[x] / γ): both need a per-scalar diagnosis;
-  every per-scalar diagnosis lies in [0, 1] like APF's stepping rate, so it is used as is.
+- `freeze` always uses APF's law: per-scalar value < T_s, then AIMD lengths, and T_s
+  halved at every check that leaves more than `tighten_above` (0.8) of the scalars
+  frozen; `scalar_period` uses PAS's (per-scalar stall, τ[x] / γ). Both need a per-scalar
+  diagnosis; every per-scalar diagnosis lies in [0, 1] like APF's stepping rate, so it is
+  used as is.
+Each smoothed diagnosis keeps its original's EMA weight (APF 0.99, FedSU 0.99, PAS 0.9)
+unless `smoothing` sets one for all.
 Precedence (MDMA): freezing is decided first, the other actions' diagnoses are pooled
 over the scalars left unfrozen, and bits and top-k apply to the unfrozen payload.
 AdaComm and AdaQuantFL are the presets conf/strategy/adacomm.yaml and adaquantfl.yaml.
@@ -63,8 +73,9 @@ from fl.mechanisms.diagnosis import (
     check_tuning_settings,
     make_diagnosis,
     pool,
+    settled_value,
 )
-from fl.mechanisms.laws import below, divide_int, ratio_law
+from fl.mechanisms.laws import below, divide_int, gap_ratio, ratio_law
 from fl.strategy.client import ClientHooks, Reply
 from fl.strategy.registry import register
 from fl.strategy.server import ClientUpdate, ServerStrategy, UploadParts
@@ -86,11 +97,11 @@ class GraftParams:
     action: str = "period"  # one or more of ACTIONS, joined by "+"; none: only observe
     monitor: str = ""  # more diagnoses, "+"-joined, observed and logged but driving nothing
     law: str = "ratio"  # ratio | plateau: the law of the global actions
-    smoothing: float = 0.9  # EMA weight of the diagnoses that keep one
+    smoothing: float | None = None  # EMA weight for all smoothed diagnoses; None: originals'
     exponent: float = 0.5  # e of the ratio law
     initial_steps: int = 8  # τ_0 (conf/strategy/graft.yaml: the run's local_steps)
     min_steps: int = 1
-    initial_bits: float = 4.0  # b_0: bits demanded at the start (served by the 8-bit codec)
+    initial_bits: float = 4.0  # b_0: bits demanded at the start (served by the 4-bit codec)
     initial_fraction: float = 0.25  # f_0: top-k share at the start
     min_lr_scale: float = 0.1
     ratio: float = 2.0  # ρ / γ of the plateau laws
@@ -98,6 +109,7 @@ class GraftParams:
     window_growth: int = 2
     warmup: int = 5
     threshold: float = 0.05  # T_s of the freezing law
+    tighten_above: float = 0.8  # halve T_s while more than this fraction is frozen (APF)
     levels: int = 3  # scalar_period: times a period may shrink
 
     @property
@@ -141,8 +153,10 @@ class GraftParams:
         if not 0 < self.initial_fraction <= 1 or not 0 < self.min_lr_scale <= 1:
             raise ValueError("strategy.initial_fraction and min_lr_scale must be in (0, 1]")
         check_tuning_settings(self.ratio, 0.0, self.window, self.window_growth, self.warmup)
-        if not 0 <= self.smoothing < 1:
-            raise ValueError("strategy.smoothing must be in [0, 1)")
+        if self.smoothing is not None and not 0 <= self.smoothing < 1:
+            raise ValueError("strategy.smoothing must be in [0, 1) or null (originals')")
+        if self.threshold <= 0 or not 0 < self.tighten_above <= 1:
+            raise ValueError("strategy.threshold must be > 0 and tighten_above in (0, 1]")
 
 
 @checkpointable
@@ -158,6 +172,7 @@ class GraftState:
     periods: torch.Tensor | None = None  # scalar_period: τ[x]
     period_stalls: PlateauDetector | None = None
     moves: list[tuple[int, str, float]] = field(default_factory=list)  # (round, action, new)
+    threshold: float = 0.0  # freeze: the current T_s (tightened as APF does)
 
 
 def fresh_state(params: GraftParams, numel: int) -> GraftState:
@@ -185,6 +200,7 @@ def fresh_state(params: GraftParams, numel: int) -> GraftState:
         state.settings["bits"].value = bit_width(params.initial_bits)
     if "freeze" in actions:
         state.freeze = FreezeMask.none_frozen(numel)
+        state.threshold = params.threshold
     if "scalar_period" in actions:
         state.periods = torch.full((numel,), params.initial_steps, dtype=torch.int64)
         state.period_stalls = PlateauDetector.fresh(
@@ -208,9 +224,11 @@ def steer(
     """Move every action from this round's diagnosis values, in precedence order."""
     active = view.where
     if state.freeze is not None:  # first: the other actions see only the unfrozen part
-        stable = below(values[params.diagnoses["freeze"]][active], params.threshold)
+        stable = below(values[params.diagnoses["freeze"]][active], state.threshold)
         state.freeze.step(stable)
         active = state.freeze.active
+        if 1 - active.float().mean().item() > params.tighten_above:
+            state.threshold /= 2
     pooled_view = RoundView(**{**vars(view), "active": active})
     if state.periods is not None and state.period_stalls is not None:
         metric = values[params.diagnoses["scalar_period"]]
@@ -218,8 +236,10 @@ def steer(
         stalled = state.period_stalls.step(metric, view.server_round, eligible)
         shorten_periods(state.periods, stalled, params.ratio, _min_period(params))
     for action, setting in state.settings.items():
-        value = float(pool(values[params.diagnoses[action]], "global", pooled_view)[0])
-        new = _next_setting(action, setting, value, state, params, view.server_round)
+        name = params.diagnoses[action]
+        value = float(pool(values[name], "global", pooled_view)[0])
+        settled = settled_value(name)
+        new = _next_setting(action, setting, value, settled, state, params, view.server_round)
         if setting.set(new):
             state.moves.append((view.server_round, action, setting.value))
 
@@ -228,19 +248,22 @@ def _next_setting(
     action: str,
     setting: GlobalSetting,
     value: float,
+    settled: float,
     state: GraftState,
     params: GraftParams,
     server_round: int,
 ) -> float:
-    """The law's new value of one global action."""
+    """The law's new value of one global action (`settled`: where its diagnosis says
+    training is settled, in the diagnosis's units)."""
     e = params.exponent
     if params.law == "ratio":
         first = state.first.setdefault(action, value)
-        relative = value / first if first > 0 else 1.0
+        relative = gap_ratio(value, first, settled)
         if action == "period":
             return ratio_law(relative, setting.start, e, setting.low, setting.high)
         if action == "bits":
-            demanded = ratio_law(relative, setting.start, -e, 1, max(BIT_WIDTHS), whole=False)
+            b0 = params.initial_bits
+            demanded = ratio_law(relative, b0, -e, b0, max(BIT_WIDTHS), whole=False)
             return bit_width(demanded)
         return ratio_law(
             relative,
@@ -363,6 +386,7 @@ class GraftServer(ServerStrategy):
             out[names.get(action, "lr_scale")] = setting.value
         if self.graft.freeze is not None:
             out["frozen_fraction"] = float((~self.graft.freeze.active).float().mean())
+            out["stability_threshold"] = self.graft.threshold
         if self.graft.periods is not None:
             out["mean_period"] = float(self.graft.periods.float().mean())
         return out

@@ -1,19 +1,31 @@
 """2D-LRD: two-dimensional learning-rate decay, across rounds and across local steps.
 
-PROPOSAL. Mo, Chen, Li, Xu, Xue, "Two-dimensional learning rate decay: Towards accurate
-federated learning with non-IID data", IJCNN 2021, is known by its title only: no text,
-abstract or code was found. Everything below is our design sketch (spec:
-shared/specs/algorithms_a.md §7.2), not a reproduction of the paper.
+Mo, Chen, Li, Xu, Xue, "Two-dimensional learning rate decay: Towards accurate federated
+learning with non-IID data", IJCNN 2021: only the abstract is known (spec
+shared/specs/algorithms_a.md §7.1). It asks for a learning rate decreased gradually on two
+axes, rounds and the local iterations of a round, at different speeds, with "the sum of the
+inner product of round updates" as the signal. The rules below follow that; their details
+(window, factors, floor, the in-round signal) are OUR choices (spec §7.2), not the paper's.
 
 The learning rate of local step k (0-based) in round r is
 
     η(r, k) = η_0 · a_r · γ_r^k
 
-- a_r, the round axis, decays slowly, driven by the cross-round correlation of the global
-  update Δ_r (new global model minus old): S_r = cos(Δ_r, Δ_{r-1}) (0 when either is 0),
-  E_r = β E_{r-1} + (1 - β) S_r. When E_r < 0 (consecutive global steps reverse: the
-  model oscillates) and more than W rounds passed since the last decay, a_{r+1} =
-  max(a_min, γ_R · a_r); otherwise a_{r+1} = a_r. a_1 = 1.
+- a_r, the round axis, decays gradually (`round_rule`):
+  - `inner_product_sum` (default; our reading of the abstract): p_r = <Δ_r, Δ_{r-1}>, the
+    unnormalised inner product of consecutive global round updates Δ_r (new global model
+    minus old). S_r is the sum of the last W such products made since the last decay (the
+    abstract's "sum of the inner product of round updates"; the window forgets the large
+    early steps, which would otherwise keep the sum positive for ever). Once W products
+    are in and S_r < 0 (the recent global steps cancel on balance, big steps weighing more
+    than small ones: the model oscillates), a_{r+1} = max(a_min, γ_R · a_r) and the sum
+    restarts; otherwise a_{r+1} = a_r. γ_R = 0.9 and a_min = 0.1 make the decay gradual
+    and keep the floor well above zero ("gradually" rules out halving to a tiny floor).
+  - `halving_cosine` (ablation: the rule before issue 35): S_r = cos(Δ_r, Δ_{r-1}) (0 when
+    either is 0), E_r = β E_{r-1} + (1 - β) S_r; when E_r < 0 and more than W rounds
+    passed since the last decay, a_{r+1} = max(a_min, γ_R · a_r), with the old constants
+    γ_R = 0.5, a_min = 0.01 (conf/strategy/lrd2d_halving.yaml).
+  a_1 = 1, and a_r never falls below a_min.
 - γ_r, the in-round axis, decays fast (every local step), driven by client agreement:
   D_r = Σ_{i<j} <g_i, g_j> / Σ_{i<j} |g_i| |g_j| over the round's client updates g_i
   (1 when there is no pair of non-zero updates), and γ_{r+1} = γ_min^(1 - clip(D_r, 0, 1)):
@@ -44,30 +56,34 @@ from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.records import Layout
 
 AXES = ("both", "round", "inround", "none")
+ROUND_RULES = ("inner_product_sum", "halving_cosine")
 ROUND_FACTOR_KEY, STEP_DECAY_KEY = "lrd-round-factor", "lrd-step-decay"
 LAST_LR_KEY = "lrd-last-lr"
 
 
 @dataclass
 class LRDParams:
-    """All PROPOSAL values (the paper gives none); γ_R = 0.5 is the spec's example."""
+    """All our values (the abstract gives none): gentle γ_R and a floor well above 0."""
 
     axes: str = "both"  # both | round | inround | none: which factors are applied
-    round_decay: float = 0.5  # γ_R: a ← γ_R · a when the correlation EMA is below 0
-    round_ema: float = 0.5  # β of the EMA of the cross-round correlation S
-    round_window: int = 5  # W: a decays at most once every W + 1 rounds (and not before)
-    min_round_factor: float = 0.01  # a_min: floor of the round factor
+    round_rule: str = "inner_product_sum"  # inner_product_sum | halving_cosine (ablation)
+    round_decay: float = 0.9  # γ_R: a ← γ_R · a when the round signal says "oscillating"
+    round_ema: float = 0.5  # β of the EMA of cos(Δ_r, Δ_{r-1}) (halving_cosine only)
+    round_window: int = 5  # W: products summed; a decays at most once every W rounds
+    min_round_factor: float = 0.1  # a_min: floor of the round factor
     step_decay: float = 0.97  # γ_min: per-step factor when clients do not agree at all
 
     def validate(self) -> None:
         if self.axes not in AXES:
             raise ValueError(f"strategy.axes must be one of {AXES}, got {self.axes!r}")
+        if self.round_rule not in ROUND_RULES:
+            raise ValueError(f"strategy.round_rule must be one of {ROUND_RULES}")
         if not 0 < self.round_decay <= 1:
             raise ValueError("strategy.round_decay must be in (0, 1]")
         if not 0 <= self.round_ema < 1:
             raise ValueError("strategy.round_ema must be in [0, 1)")
-        if self.round_window < 0:
-            raise ValueError("strategy.round_window must be >= 0")
+        if self.round_window < 0 or (self.round_rule == ROUND_RULES[0] and self.round_window < 1):
+            raise ValueError("strategy.round_window must be >= 0 (>= 1 for inner_product_sum)")
         if not 0 < self.min_round_factor <= 1:
             raise ValueError("strategy.min_round_factor must be in (0, 1]")
         if not 0 < self.step_decay <= 1:
@@ -75,6 +91,11 @@ class LRDParams:
 
 
 # ----- the two signals and the schedule ---------------------------------------------------
+def inner_product(update: torch.Tensor, previous: torch.Tensor) -> float:
+    """p = <Δ_r, Δ_{r-1}> of two consecutive global updates, in float64."""
+    return float(update.double() @ previous.double())
+
+
 def update_correlation(update: torch.Tensor, previous: torch.Tensor) -> float:
     """S = cos(Δ_r, Δ_{r-1}) of two consecutive global updates; 0 when either is zero."""
     a, b = update.double(), previous.double()
@@ -114,36 +135,49 @@ class DecaySchedule:
 
     round_factor: float = 1.0  # a for the next round
     step_decay: float = 1.0  # γ for the next round
-    correlation_ema: float = 0.0  # E
+    correlation_ema: float = 0.0  # E (halving_cosine)
+    products: list[float] = field(default_factory=list)  # p of the window, since the last decay
     last_decay: int = 0  # round of the last decay of a (0: none yet)
     previous_update: torch.Tensor | None = None  # Δ_{r-1}
     decays: list[tuple[int, float]] = field(default_factory=list)  # (round, new a)
 
+    @property
+    def product_sum(self) -> float:
+        """S_r: the sum of the inner products in the window (0 when it is empty)."""
+        return math.fsum(self.products)
+
     def advance(
         self, update: torch.Tensor, agreement: float, server_round: int, params: LRDParams
-    ) -> float:
-        """Fold round r's global update and client agreement in; return S_r (nan in the
-        first round, which has no previous update to compare with)."""
-        correlation = math.nan
+    ) -> tuple[float, float]:
+        """Fold round r's global update and client agreement in; return (p_r, cos) of Δ_r
+        and Δ_{r-1} (nan in the first round, which has no previous update)."""
+        product = correlation = math.nan
         if self.previous_update is not None:
+            product = inner_product(update, self.previous_update)
             correlation = update_correlation(update, self.previous_update)
             beta = params.round_ema
             self.correlation_ema = beta * self.correlation_ema + (1 - beta) * correlation
-            if (
-                params.axes in ("both", "round")
-                and self.correlation_ema < 0
-                and self.round_factor > params.min_round_factor
-                and server_round - self.last_decay > params.round_window
-            ):
+            self.products = [*self.products, product][-max(params.round_window, 1) :]
+            if params.axes in ("both", "round") and self._oscillating(server_round, params):
                 self.round_factor = max(
                     params.min_round_factor, params.round_decay * self.round_factor
                 )
                 self.last_decay = server_round
+                self.products = []
                 self.decays.append((server_round, self.round_factor))
         self.previous_update = update.clone()
         if params.axes in ("both", "inround"):
             self.step_decay = step_decay_for(agreement, params)
-        return correlation
+        return product, correlation
+
+    def _oscillating(self, server_round: int, params: LRDParams) -> bool:
+        """Whether the round rule decays a now (never below the floor)."""
+        if self.round_factor <= params.min_round_factor:
+            return False
+        if params.round_rule == "halving_cosine":
+            waited = server_round - self.last_decay > params.round_window
+            return self.correlation_ema < 0 and waited
+        return len(self.products) >= params.round_window and self.product_sum < 0
 
 
 # ----- server half ------------------------------------------------------------------------
@@ -157,11 +191,11 @@ class LRDServer(ServerStrategy):
         super().__init__(params, **kwargs)
         self.schedule = DecaySchedule()
         self.sent = (1.0, 1.0)  # (a, γ) of the current round
-        self.correlation = self.agreement = math.nan
+        self.correlation = self.agreement = self.product = math.nan
 
     def on_round_start(self, server_round: int) -> None:
         self.sent = (self.schedule.round_factor, self.schedule.step_decay)
-        self.correlation = self.agreement = math.nan
+        self.correlation = self.agreement = self.product = math.nan
 
     def train_config(self, server_round: int, node_id: int) -> dict[str, Any]:
         return {ROUND_FACTOR_KEY: self.sent[0], STEP_DECAY_KEY: self.sent[1]}
@@ -170,7 +204,7 @@ class LRDServer(ServerStrategy):
         old = self.global_vector
         self.agreement = client_agreement(torch.stack([u.vector - old for u in updates]))
         new = super().aggregate(server_round, updates)
-        self.correlation = self.schedule.advance(
+        self.product, self.correlation = self.schedule.advance(
             new - old, self.agreement, server_round, self.params
         )
         return new
@@ -183,6 +217,8 @@ class LRDServer(ServerStrategy):
         out.update(
             lr_round_factor=self.sent[0],
             lr_step_decay=self.sent[1],
+            update_inner_product=self.product,
+            inner_product_sum=self.schedule.product_sum,
             update_correlation=self.correlation,
             update_correlation_ema=self.schedule.correlation_ema,
             client_agreement=self.agreement,

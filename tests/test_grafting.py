@@ -3,6 +3,8 @@ re-expressed APF / PAS / GIFT / FedSU bit-identical to the code before the refac
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import train_in_process
@@ -11,17 +13,20 @@ from flwr.app import RecordDict
 from fl.mechanisms.actions import bit_width, decode_update, encode_update
 from fl.mechanisms.diagnosis import (
     ConsistencyRate,
+    LinearityTest,
     LossRatio,
     OscillationRatio,
     Relevance,
     RoundView,
     Significance,
     SteppingRate,
+    make_diagnosis,
     pool,
+    settled_value,
 )
-from fl.mechanisms.laws import aimd, divide, divide_int, ratio_law
-from fl.wire.codec import payload_traffic
-from fl.wire.records import Layout
+from fl.mechanisms.laws import aimd, divide, divide_int, gap_ratio, ratio_law
+from fl.wire.codec import CodecError, decode, encode, payload_traffic
+from fl.wire.records import Layout, numpy_to_array
 from strategies.graft import GraftParams, fresh_state, steer
 
 
@@ -107,7 +112,10 @@ def test_laws_by_hand():
     assert divide_int(5, 2.0, 1, round_up=True) == 3
     assert ratio_law(0.25, 8, 0.5, 1, 8) == 4  # AdaComm: ceil(sqrt(1/4) * 8)
     assert ratio_law(0.25, 4, -0.5, 1, 32, whole=False) == 8  # AdaQuantFL: sqrt(4) * 4 bits
-    assert [bit_width(b) for b in (1, 8, 8.01, 16, 17)] == [8, 8, 16, 16, 32]
+    assert [bit_width(b) for b in (1, 3, 4, 8, 8.01, 16, 17)] == [2, 4, 4, 8, 16, 16, 32]
+    assert gap_ratio(0.7, 0.9, 0.5) == pytest.approx(0.5)  # half-way to settled
+    assert gap_ratio(0.4, 0.9, 0.5) < 0 and gap_ratio(0.9, 0.4, 0.5) == 0.0
+    assert gap_ratio(0.25, 1.0, 0.0) == 0.25  # the loss ratio: F settled at 0
 
 
 # ----- actions move when and only when the diagnosis crosses the law's threshold -------
@@ -157,21 +165,99 @@ def test_mdma_freezes_first_then_pools_the_period_metric_over_the_unfrozen_part(
     state = fresh_state(params, 4)
     ones = [1.0] * 4
     _steer(params, state, {"stepping": ones, "consistency": ones, "loss": [1.0]}, 1)
-    # the two scalars frozen now are inconsistent; over all four the mean (0.505) would
-    # take τ to ceil(sqrt(0.505) * 8) = 6, over the unfrozen part it is 1: τ stays 8
+    # the two scalars frozen now are inconsistent; over all four the mean (0.505), a gap of
+    # (0.505 - 0.1) / (1 - 0.1) = 0.45 to PAS's settled 0.1, would take τ to
+    # ceil(sqrt(0.45) * 8) = 6; over the unfrozen part it is 1: τ stays 8
     values = {"stepping": [0.0, 0.0, 1.0, 1.0], "consistency": [0.01, 0.01, 1.0, 1.0]}
     _steer(params, state, {**values, "loss": [1.0]}, 2)
     assert state.freeze.active.tolist() == [False, False, True, True]
     assert state.settings["period"].value == 8
-    assert state.settings["bits"].value == 8
-    # bits apply to the unfrozen payload: two int8 codes and one float32 scale
+    assert state.settings["bits"].value == 4  # b_0 = 4 served at 4 bits
+    # bits apply to the unfrozen payload: two 4-bit codes in one byte, a float32 scale and
+    # the int64 shape
     layout = Layout.of({"w": torch.zeros(4)})
     delta = torch.tensor([0.0, 0.0, 0.5, -0.25])
-    payload = encode_update(delta, layout, bits=8, mask=state.freeze.active)
-    assert payload_traffic(RecordDict(payload)).payload == 2 + 4
+    payload = encode_update(delta, layout, bits=4, mask=state.freeze.active)
+    assert payload_traffic(RecordDict(payload)).payload == 1 + 4 + 8
     decoded = decode_update(RecordDict(payload), layout, mask=state.freeze.active)
     assert decoded[:2].tolist() == [0.0, 0.0]
-    assert decoded[2:].tolist() == pytest.approx([0.5, -0.25], abs=0.5 / 254)
+    assert decoded[2:].tolist() == pytest.approx([0.5, -0.25], abs=0.5 / 14)
+
+
+# ----- a graft moves its original's knob across the original's own range (issue 35) ----
+def _consistency_run(action: str, series: list[float]) -> list[float]:
+    """The setting of `action` after each round of a consistency-driven graft fed `series`
+    (the pooled rate of every scalar; settled at PAS's 0.1)."""
+    params = GraftParams(diagnosis="consistency", action=action, initial_steps=20)
+    state = fresh_state(params, 2)
+    out = []
+    for r, value in enumerate(series, start=1):
+        _steer(params, state, {"consistency": [value, value]}, r)
+        out.append(state.settings[action].value)
+    return out
+
+
+# a consistent rate that falls from 0.9 to PAS's counteracting 0.1 as a loss ratio falls to
+# 0: gap ratios 1, 0.75, 0.5, 0.275, 0.075, 0.0125, 0 (none on a boundary)
+FALLING = [0.9, 0.7, 0.5, 0.32, 0.16, 0.11, 0.1]
+GAPS = [1, 0.75, 0.5, 0.275, 0.075, 0.0125, 0]
+
+
+def test_consistency_graft_of_adaquantfl_moves_bits_from_initial_to_max():
+    bits = _consistency_run("bits", FALLING)
+    # AdaQuantFL's law in its own units: b = 4 / sqrt(q), served at the next codec width
+    assert bits == [4, 8, 8, 8, 16, 32, 32]
+    assert bits == [bit_width(min(32.0, 4 / max(q, 1e-9) ** 0.5)) for q in GAPS]
+
+
+def test_consistency_graft_of_adacomm_spans_tau_from_tau0_to_its_floor():
+    taus = _consistency_run("period", FALLING)
+    # AdaComm's law: τ = ceil(sqrt(q) τ_0) from τ_0 = 20 down to min_steps = 1
+    assert taus == [20, 18, 15, 11, 6, 3, 1]
+    assert taus == [max(1, math.ceil(q**0.5 * 20)) for q in GAPS]
+    # m_k / m_1 (the rule before issue 35) would have stopped at ceil(sqrt(0.1/0.9) 20) = 7
+    assert ratio_law(FALLING[-1] / FALLING[0], 20, 0.5, 1, 20) == 7
+
+
+def test_consistency_already_settled_at_the_start_sends_the_knob_to_its_end():
+    assert settled_value("consistency") == 0.1 and settled_value("loss") == 0.0
+    assert _consistency_run("period", [0.05, 0.05]) == [1, 1]
+
+
+def test_graft_freeze_keeps_apfs_ema_and_threshold_tightening():
+    params = GraftParams(diagnosis="stepping", action="freeze", threshold=0.05)
+    state = fresh_state(params, 10)
+    assert state.diagnoses["stepping"].ema.alpha == 0.99  # APF's α, not a shared 0.9
+    _steer(params, state, {"stepping": [0.01] * 7 + [0.9] * 3}, 1)  # 70 % frozen: kept
+    assert state.threshold == 0.05
+    state = fresh_state(params, 10)
+    _steer(params, state, {"stepping": [0.01] * 9 + [0.9]}, 1)  # 90 % frozen: halved
+    assert state.threshold == 0.025
+    _steer(params, state, {"stepping": [0.04]}, 2)  # the one active scalar: 0.04 > 0.025
+    assert state.freeze.length[9].item() == 0
+
+
+def test_each_diagnosis_keeps_its_originals_smoothing_unless_one_is_set():
+    oscillation = make_diagnosis("oscillation", 3)
+    assert isinstance(oscillation.test, LinearityTest) and oscillation.test.ema.alpha == 0.99
+    assert make_diagnosis("stepping", 3).ema.alpha == 0.99  # APF
+    assert make_diagnosis("consistency", 3).ema.theta == 0.9  # PAS (conf/strategy/pas.yaml)
+    assert make_diagnosis("stepping", 3, 0.5).ema.alpha == 0.5
+    assert GraftParams().smoothing is None
+
+
+@pytest.mark.parametrize(("bits", "bound"), [(4, 7), (2, 1)])
+def test_packed_codes_round_trip_and_refuse_malformed(bits, bound):
+    layout = Layout.of({"w": torch.zeros(3, 3)})
+    vector = torch.linspace(-1.0, 1.0, 9)
+    payload = encode(vector, f"dense+q{bits}", layout=layout)
+    assert payload_traffic(RecordDict(payload)).payload == -(-9 * bits // 8) + 4 + 2 * 8
+    decoded = decode(RecordDict(payload), layout, base=torch.zeros(9))
+    assert (decoded - vector).abs().max().item() <= 1.0 / bound / 2 + 1e-6
+    bad = RecordDict(payload)
+    bad["arrays"]["w"] = numpy_to_array(bad["arrays"]["w"].numpy()[:-1].copy())
+    with pytest.raises(CodecError, match="cannot hold"):
+        decode(bad, layout, base=torch.zeros(9))
 
 
 def test_params_refuse_what_cannot_be_grafted():
@@ -200,9 +286,9 @@ def test_mdma_run_end_to_end_freezes_and_quantises(tmp_path):
     )
     assert all(r["rejected"] == 0 for r in rows)
     assert max(r["frozen_fraction"] for r in rows) > 0
-    assert all(r["upload_bits"] in (8, 16, 32) for r in rows)
+    assert rows[0]["upload_bits"] == 4 and all(r["upload_bits"] in (4, 8, 16, 32) for r in rows)
     dense_up = 4 * 4 * (rows[0]["bytes_down"] // (4 * 4))  # 4 clients x float32 model
-    assert rows[0]["payload_bytes_up"] < dense_up / 3  # 8-bit codes, nothing frozen yet
+    assert rows[0]["payload_bytes_up"] < dense_up / 6  # 4-bit codes, nothing frozen yet
     assert rows[-1]["accuracy"] > 0.3
 
 

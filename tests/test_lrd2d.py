@@ -67,7 +67,14 @@ def _clients(direction: int) -> list[list[float]]:
 
 @pytest.mark.parametrize("axes", ["both", "round", "inround", "none"])
 def test_schedule_follows_the_formulas_and_axes_switch_the_right_factor_off(axes):
-    params = LRDParams(axes=axes, round_decay=0.5, round_ema=0.5, round_window=1, step_decay=0.9)
+    params = LRDParams(
+        axes=axes,
+        round_rule="halving_cosine",
+        round_decay=0.5,
+        round_ema=0.5,
+        round_window=1,
+        step_decay=0.9,
+    )
     server = LRDServer(params, seed=0, clients_per_round=2)
     server.global_vector = torch.zeros(2)
     sent, ema, factor, last_decay = [], 0.0, 1.0, 0
@@ -95,13 +102,63 @@ def test_schedule_follows_the_formulas_and_axes_switch_the_right_factor_off(axes
     }
 
 
-def test_round_factor_waits_for_its_window_and_stops_at_its_floor():
-    params = LRDParams(round_window=3, min_round_factor=0.3)
+def test_halving_ablation_waits_for_its_window_and_stops_at_its_floor():
+    params = LRDParams(
+        round_rule="halving_cosine", round_decay=0.5, round_window=3, min_round_factor=0.3
+    )
     schedule = DecaySchedule()
     for r in range(1, 16):  # a reversal every round: the EMA is negative from round 2 on
         schedule.advance(torch.tensor([(-1.0) ** r]), 0.5, r, params)
     assert schedule.decays == [(4, 0.5), (8, 0.3)]  # at the floor: no further "decay"
     assert schedule.step_decay == pytest.approx(0.97**0.5)  # D = 0.5: half the log-decay
+
+
+def test_round_factor_follows_the_inner_product_sum_and_never_falls_below_its_floor():
+    """Default rule: a decays by γ_R when the sum of the last W inner products of
+    consecutive global updates (since the last decay) is negative, never below a_min."""
+    params = LRDParams(round_decay=0.8, round_window=3, min_round_factor=0.5)
+    assert params.round_rule == "inner_product_sum"
+    # global updates (1-D): steps shrink while they keep direction, reverse once or twice
+    # while the window's sum stays >= 0, then zig-zag
+    steps = [4.0, 2.0, 1.0, 1.0, -0.5, 1.0, -4.0, 0.5, -0.5, 0.5, -4.0]
+    steps += [4.0, -4.0, 4.0, -4.0, 4.0, -4.0, 4.0, -4.0, 4.0]
+    schedule = DecaySchedule()
+    window: list[float] = []
+    factor, factors, sums = 1.0, [], []
+    for r, step in enumerate(steps, start=1):
+        product, _ = schedule.advance(torch.tensor([step]), 1.0, r, params)
+        if r > 1:
+            assert product == steps[r - 2] * step
+            window = [*window, product][-3:]
+            if len(window) == 3 and sum(window) < 0 and factor > 0.5:
+                factor, window = max(0.5, 0.8 * factor), []
+        assert schedule.product_sum == pytest.approx(sum(window))
+        assert schedule.round_factor == pytest.approx(factor)
+        factors.append(schedule.round_factor)
+        sums.append(schedule.product_sum)
+    # p from round 2: 8, 2, 1, -0.5, -0.5, -4, -2, -0.25, -0.25, -2, -16, ...: negative
+    # products at rounds 5 and 6 leave the sum at 2.5 and 0 (no decay); it turns negative
+    # at round 7, then every 3 rounds; the 4th decay is clipped to the floor, which holds
+    assert [r for r, _ in schedule.decays] == [7, 10, 13, 16]
+    assert [a for _, a in schedule.decays] == pytest.approx([0.8, 0.64, 0.512, 0.5])
+    assert sums[4:6] == pytest.approx([2.5, 0.0])
+    assert min(factors) == 0.5 and factors[-5:] == [0.5] * 5
+    # a sum that stays positive (steps that keep their direction) never decays a
+    steady = DecaySchedule()
+    for r in range(1, 30):
+        steady.advance(torch.tensor([1.0 / r, -0.5 / r]), 1.0, r, params)
+    assert steady.decays == [] and steady.round_factor == 1.0 and steady.product_sum > 0
+
+
+def test_round_factor_floor_holds_over_a_long_oscillation():
+    params = LRDParams()  # defaults: γ_R 0.9, W 5, a_min 0.1
+    schedule = DecaySchedule()
+    for r in range(1, 400):
+        schedule.advance(torch.tensor([(-1.0) ** r, 0.5]), 1.0, r, params)
+    rounds = [r for r, _ in schedule.decays]
+    assert rounds[:3] == [6, 11, 16]  # every W rounds once the window is full and negative
+    assert schedule.round_factor == pytest.approx(0.1) and min(a for _, a in schedule.decays) >= 0.1
+    assert len(rounds) == 22  # 0.9^21 > 0.1 > 0.9^22: the 22nd decay lands on the floor
 
 
 def test_agreement_maps_to_the_step_decay():
@@ -150,16 +207,18 @@ def test_lrd2d_run_logs_the_schedule_it_applied_and_resumes_to_identical_metrics
     run_fl(tmp_path / "full", *RUN, "rounds=6", fresh=True)
     rows = read_metrics(tmp_path / "full")
     assert all(r["rejected"] == 0 and r["failed"] == 0 for r in rows)
-    ema, factor, decay, last_decay = 0.0, 1.0, 1.0, 0
+    window: list[float] = []
+    factor, decay = 1.0, 1.0
     for r, row in enumerate(rows, start=1):  # recompute the factors from the logged signals
         assert (row["lr_round_factor"], row["lr_step_decay"]) == pytest.approx(
             (factor, decay), rel=1e-12
         )
         assert row["client_last_lr"] == pytest.approx(3.0 * factor * decay**7, rel=1e-6)
         if r > 1:
-            ema = 0.5 * ema + 0.5 * row["update_correlation"]
-            if ema < 0 and r - last_decay > 1:
-                factor, last_decay = 0.5 * factor, r
+            window = [*window, row["update_inner_product"]][-1:]
+            if sum(window) < 0 and factor > 0.1:
+                factor, window = max(0.1, 0.9 * factor), []
+            assert row["inner_product_sum"] == pytest.approx(sum(window))
         decay = 0.97 ** (1 - min(max(row["client_agreement"], 0.0), 1.0))
     assert rows[-1]["lr_round_factor"] < 1.0  # the round axis acted
     assert all(r["lr_step_decay"] < 1.0 for r in rows[1:])  # clients disagree on digits

@@ -9,7 +9,7 @@ new plumbing:
 | `period` | global sync period τ = local steps per round | `local-steps` config key |
 | `scalar_period` | per-scalar period τ[x] (PAS) | synced periods; group roll-back; `grouped` |
 | `freeze` | freezing mask, AIMD lengths (APF) | synced model + mask; roll-back; `masked` |
-| `bits` | upload width 32 / 16 / 8 bits | `+f16` / `+q8` value stage of the upload codec |
+| `bits` | upload width 32 / 16 / 8 / 4 / 2 bits | `+f16` / `+q8` / `+q4` / `+q2` value stage |
 | `sparsity` | share of the update sent (top-k) | `topk` codec |
 | `lr` | learning-rate scale | the `lr` hook |
 
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 # Upload widths the codecs offer, and the value stage that gives each.
-BIT_WIDTHS = {32: "", 16: "+f16", 8: "+q8"}
+BIT_WIDTHS = {32: "", 16: "+f16", 8: "+q8", 4: "+q4", 2: "+q2"}
 
 
 @checkpointable
@@ -83,7 +83,7 @@ class GlobalSetting:
 
 
 def bit_width(demanded: float) -> int:
-    """The narrowest codec width that holds `demanded` bits (8, 16 or 32)."""
+    """The narrowest codec width that holds `demanded` bits (2, 4, 8, 16 or 32)."""
     return next(w for w in sorted(BIT_WIDTHS) if demanded <= w or w == max(BIT_WIDTHS))
 
 

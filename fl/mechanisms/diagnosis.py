@@ -44,6 +44,8 @@ __all__ = [
     "consistency_ratio",
     "make_diagnosis",
     "pool",
+    "settled_value",
+    "smoothing_of",
     "stall_detector",
 ]
 
@@ -474,11 +476,35 @@ DIAGNOSES: dict[str, tuple[Any, bool]] = {
     "significance": (lambda numel, smoothing: Significance(), True),
 }
 
+# Each smoothed diagnosis keeps its original's EMA weight: APF's α = 0.99 (S-APF-J §VII-A),
+# FedSU's θ = 0.99 (spec §5.2 proposal), PAS's θ = 0.9 (our `conf/strategy/pas.yaml`).
+ORIGINAL_SMOOTHING = {"consistency": 0.9, "stepping": 0.99, "oscillation": 0.99}
 
-def make_diagnosis(name: str, numel: int, smoothing: float) -> Diagnosis:
+# The value at which each diagnosis's original calls training settled, in its own units
+# (the loss ratio's is 0): APF freezes below T_s = 0.05, FedSU speculates below T_R = 0.01,
+# CMFL drops an update below relevance 0.7, Gaia has no significant scalar left at 0, and
+# PAS's analysis marks the "gradient-counteracting moment" at a consistent rate below 0.1
+# (S-PAS Fig. 2; not part of PAS's own stall rule, nor GIFT's).
+SETTLED = {"loss": 0.0, "consistency": 0.1, "stepping": 0.05, "oscillation": 0.01}
+SETTLED |= {"relevance": 0.7, "significance": 0.0}
+
+
+def smoothing_of(name: str, smoothing: float | None) -> float:
+    """The EMA weight diagnosis `name` uses: `smoothing`, or its original's when None."""
+    if smoothing is not None:
+        return smoothing
+    return ORIGINAL_SMOOTHING.get(name, 0.0)
+
+
+def settled_value(name: str) -> float:
+    """Where diagnosis `name` says "training settled", in its own units (`SETTLED`)."""
+    return SETTLED[name]
+
+
+def make_diagnosis(name: str, numel: int, smoothing: float | None = None) -> Diagnosis:
     """The diagnosis called `name` for a model of `numel` scalars (`smoothing`: the EMA
-    weight of those that keep one)."""
+    weight of those that keep one; None: its original's, `ORIGINAL_SMOOTHING`)."""
     if name not in DIAGNOSES:
         raise ValueError(f"unknown diagnosis {name!r}; known: {sorted(DIAGNOSES)}")
     factory, _ = DIAGNOSES[name]
-    return factory(numel, smoothing)
+    return factory(numel, smoothing_of(name, smoothing))

@@ -13,6 +13,10 @@ diagnosis can drive any action (`strategies/graft.py`):
 - `ratio_law`: a setting proportional to a power of the metric's ratio to its first
   value (AdaComm τ_k = ceil(sqrt(F_k / F_0) τ_0); AdaQuantFL's levels grow as
   sqrt(F_0 / F_k)).
+- `gap_ratio`: any diagnosis in the loss ratio's units: its remaining distance to the
+  value where its original calls training settled, over its first distance (the loss
+  ratio F_k / F_0 is this with F settled at 0), so a grafted diagnosis that reaches its
+  settled value drives the law to the end of its range, as a loss that reaches 0 would.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math
 
 import torch
 
-__all__ = ["aimd", "below", "divide", "divide_int", "ratio_law"]
+__all__ = ["aimd", "below", "divide", "divide_int", "gap_ratio", "ratio_law"]
 
 
 def below(values: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -49,14 +53,21 @@ def divide_int(value: int, ratio: float, floor: int, *, round_up: bool = False) 
     return max(floor, math.ceil(quotient) if round_up else math.floor(quotient))
 
 
+def gap_ratio(value: float, first: float, settled: float) -> float:
+    """(value - settled) / (first - settled): 1 at the start, 0 once settled (0 when the
+    first value was settled already)."""
+    gap = first - settled
+    return (value - settled) / gap if gap > 0 else 0.0
+
+
 def ratio_law(
     relative: float, start: float, exponent: float, low: float, high: float, *, whole: bool = True
 ) -> float:
     """relative ** exponent * start, rounded up to a whole number (unless not `whole`),
     clipped to [low, high].
 
-    `relative` is the metric over its first value (1 in the first round), so any metric
-    drives the law on the scale the loss ratio has (our rescaling, see graft.py).
+    `relative` is the loss ratio, or a grafted diagnosis's `gap_ratio` (1 in the first
+    round, 0 once settled: then the law gives the end of its range).
     """
     if not relative > 0 or not math.isfinite(relative):
         return float(high if exponent < 0 else low)

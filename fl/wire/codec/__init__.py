@@ -4,7 +4,8 @@ An encoded payload is a pair of records in a message: `arrays` (an ArrayRecord) 
 `codec` (a ConfigRecord: the chain's `name` and the bytes it puts on the link). A chain
 is a registered codec, optionally followed by one value stage: "dense", "masked",
 "sparse", "topk", "grouped", "lowrank", each alone or with "+q8" (int8 codes and a
-float32 scale per array) or "+f16". `decode` reads any of them; strategies may
+float32 scale per array), "+q4" / "+q2" (codes packed 2 / 4 to a byte, `packed.py`) or
+"+f16". `decode` reads any of them; strategies may
 `register_codec` their own. Dense is Flower's usual one-Array-per-tensor record, so
 stock Flower peers read it, and a payload without a `codec` record is read as dense.
 
@@ -17,6 +18,7 @@ state. Framing (.npy headers, protobuf) is not counted, so every engine reports 
 same figures.
 """
 
+from fl.wire.codec import packed as _packed  # noqa: F401  (registers q4, q2)
 from fl.wire.codec.core import (
     ARRAYS,
     CODEC,
