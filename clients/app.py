@@ -182,9 +182,12 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     return finish_round(msg, context, prepared, result, own_metrics)
 
 
-def prepare_round(msg: Message, context: Context) -> Round | Message:
+def prepare_round(
+    msg: Message, context: Context, broadcast: dict[tuple[Any, ...], Any] | None = None
+) -> Round | Message:
     """The instruction loaded into this thread's model and the hooks begun (or the refusal
-    of an instruction meant for another strategy or contract)."""
+    of an instruction meant for another strategy or contract). `broadcast`: a cohort's
+    memo of the payloads it has measured and decoded (`_once`)."""
     setup = _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
@@ -193,8 +196,18 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     partition = _partition(context, setup.num_clients)
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
-    hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
-    hooks.load(model, msg.content, context.state, layout)
+    content = msg.content
+    if broadcast is None:
+        received = payload_traffic(content).total
+    else:
+        received = _once(broadcast, "measure", content, lambda: payload_traffic(content).total)
+    hooks.time = ClientTime.from_config(config, received)
+    if broadcast is not None and type(hooks).load is ClientHooks.load:
+        layout.load_into(
+            model, _once(broadcast, "decode", content, lambda: decode(content, layout))
+        )
+    else:
+        hooks.load(model, msg.content, context.state, layout)
     hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
     per_round: dict[str, Any] = {
@@ -204,6 +217,20 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
     return Round(setup, config, model, hooks, settings, partition, data)
+
+
+def _once(
+    memo: dict[tuple[Any, ...], Any], what: str, content: RecordDict, make: Callable[[], Any]
+) -> Any:
+    """`make()` of a payload, once per cohort: the server sends every node the same records
+    for the same model, so a cohort measures and decodes the broadcast once, not once a
+    client. Keyed by the identity of every record but the node's own `config` (what
+    `payload_traffic` and `decode` read), which the cohort's messages keep alive and
+    unchanged while it prepares them."""
+    key = (what, *((name, id(record)) for name, record in content.items() if name != "config"))
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def finish_round(
@@ -322,10 +349,11 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     setup = _setup_of(pairs[0][1])
     layout = setup.task.layout
     members: list[tuple[int, Round, Member]] = []
+    broadcast: dict[tuple[Any, ...], Any] = {}
     for i in chosen:
         msg, context = pairs[i]
         try:
-            prepared = prepare_round(msg, context)
+            prepared = prepare_round(msg, context, broadcast)
         except Exception as err:  # this client fails alone, as it would per client
             replies[i] = err
             continue
