@@ -39,7 +39,7 @@ from fl.run.engines.carriers import (
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime
 from fl.strategy.registry import StrategySpec, get_strategy
-from fl.wire.codec import decode, payload_traffic
+from fl.wire.codec import decode, encode_dense, payload_traffic
 from fl.wire.contract import echo, mismatch_reply
 from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
@@ -166,6 +166,9 @@ class Round:
     settings: TrainSettings
     partition: int
     data: tuple[torch.Tensor, torch.Tensor]
+    # the global model as a flat vector, where it was left out of `model`: a cohort member
+    # whose hooks load, begin and end as ClientHooks does (its weights never need the model)
+    start: torch.Tensor | None = None
 
 
 # A trainer runs a prepared round in place; its second value gives the reply's own metrics
@@ -202,13 +205,12 @@ def prepare_round(
     else:
         received = _once(broadcast, "measure", content, lambda: payload_traffic(content).total)
     hooks.time = ClientTime.from_config(config, received)
-    if broadcast is not None and type(hooks).load is ClientHooks.load:
-        layout.load_into(
-            model, _once(broadcast, "decode", content, lambda: decode(content, layout))
-        )
+    start = None
+    if broadcast is not None and _plain(hooks):
+        start = _once(broadcast, "decode", content, lambda: decode(content, layout))
     else:
         hooks.load(model, msg.content, context.state, layout)
-    hooks.begin(model, config, context.state)
+        hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
     per_round: dict[str, Any] = {
         field: config[key] for key, field in PER_ROUND_KEYS.items() if key in config
@@ -216,7 +218,18 @@ def prepare_round(
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
-    return Round(setup, config, model, hooks, settings, partition, data)
+    return Round(setup, config, model, hooks, settings, partition, data, start)
+
+
+def _plain(hooks: ClientHooks) -> bool:
+    """Whether `hooks` load, begin and end as ClientHooks does: the decoded global model
+    is where a cohort member starts, and its trained row is what its reply encodes."""
+    kind = type(hooks)
+    return (kind.load, kind.begin, kind.end) == (
+        ClientHooks.load,
+        ClientHooks.begin,
+        ClientHooks.end,
+    )
 
 
 def _once(
@@ -239,10 +252,16 @@ def finish_round(
     prepared: Round,
     result: LocalResult,
     own_metrics: Callable[[], dict[str, Any]],
+    trained: torch.Tensor | None = None,
 ) -> Message:
-    """The reply: the hooks encode the trained model; the metrics the server checks."""
+    """The reply: the hooks encode the trained model (or, for `_plain` hooks, the `trained`
+    row as `ClientHooks.end` would); the metrics the server checks."""
     hooks, data, partition = prepared.hooks, prepared.data, prepared.partition
-    records, extra = hooks.end(prepared.model, context.state, prepared.setup.task.layout)
+    layout = prepared.setup.task.layout
+    if trained is not None:
+        records, extra = encode_dense(trained, layout), {}
+    else:
+        records, extra = hooks.end(prepared.model, context.state, layout)
     metrics = new_record(
         MetricRecord,
         {
@@ -360,7 +379,7 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
         if isinstance(prepared, Message):
             replies[i] = prepared
             continue
-        start = layout.read(prepared.model)
+        start = prepared.start if prepared.start is not None else layout.read(prepared.model)
         x, y = prepared.data
         members.append((i, prepared, Member(start, x, y, prepared.hooks, prepared.settings)))
     # a failure here is ours, not a client's: it stops the run rather than turning every
@@ -370,6 +389,9 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
         msg, context = pairs[i]
         try:
+            if prepared.start is not None:  # `_plain` hooks: the row is the reply
+                replies[i] = finish_round(msg, context, prepared, result, _no_metrics, row)
+                continue
             layout.load_into(prepared.model, row)
             replies[i] = finish_round(msg, context, prepared, result, _no_metrics)
         except Exception as err:
