@@ -101,7 +101,7 @@ def workload(clients: int) -> tuple[Any, list[np.ndarray]]:
 
 
 def initial_model() -> Any:
-    """The MLP 20-32-2 with the initial weights our engine starts from (seeded build)."""
+    """The MLP 20-32-10 with the initial weights our engine starts from (seeded build)."""
     import torch
 
     from fl.world.models import build_model
