@@ -40,8 +40,8 @@ from fl.run.engines.carriers import (
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime, load_instruction
 from fl.strategy.registry import StrategySpec, get_strategy
-from fl.wire.codec import decode, payload_traffic
-from fl.wire.contract import echo, mismatch_reply
+from fl.wire.codec import CodecError, decode, encode_dense, payload_traffic
+from fl.wire.contract import echo, mismatch_reply, unreadable
 from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
@@ -171,6 +171,9 @@ class Round:
     partition: int
     data: tuple[torch.Tensor, torch.Tensor]
     memory: OptimizerState | None = None  # the optimizer's state from this node's past rounds
+    # the global model as a flat vector, where it was left out of `model`: a cohort member
+    # whose hooks load, begin and end as ClientHooks does (its weights never need the model)
+    start: torch.Tensor | None = None
 
 
 # A trainer runs a prepared round in place; its second value gives the reply's own metrics
@@ -187,9 +190,12 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
     return finish_round(msg, context, prepared, result, own_metrics)
 
 
-def prepare_round(msg: Message, context: Context) -> Round | Message:
+def prepare_round(
+    msg: Message, context: Context, broadcast: dict[tuple[Any, ...], Any] | None = None
+) -> Round | Message:
     """The instruction loaded into this thread's model and the hooks begun (or the refusal
-    of an instruction meant for another strategy or contract)."""
+    of an instruction meant for another strategy or contract). `broadcast`: a cohort's
+    memo of the payloads it has measured and decoded (`_once`)."""
     setup = _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
@@ -198,9 +204,21 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     partition = _partition(context, setup.num_clients)
     hooks = setup.spec.client(setup.params)
     model, layout = setup.task.model(), setup.task.layout
-    hooks.time = ClientTime.from_config(config, payload_traffic(msg.content).total)
-    load_instruction(hooks, setup.spec.name, model, msg.content, config, context.state, layout)
-    hooks.begin(model, config, context.state)
+    content = msg.content
+    if broadcast is None:
+        received = payload_traffic(content).total
+    else:
+        received = _once(broadcast, "measure", content, lambda: payload_traffic(content).total)
+    hooks.time = ClientTime.from_config(config, received)
+    start = None
+    if broadcast is not None and _plain(hooks):
+        try:
+            start = _once(broadcast, "decode", content, lambda: decode(content, layout))
+        except CodecError as err:  # named as load_instruction names it
+            raise CodecError(unreadable(err, content, config, setup.spec.name)) from None
+    else:
+        load_instruction(hooks, setup.spec.name, model, content, config, context.state, layout)
+        hooks.begin(model, config, context.state)
     server_round = cast(int, config["server-round"])
     per_round: dict[str, Any] = {
         field: config[key] for key, field in PER_ROUND_KEYS.items() if key in config
@@ -210,7 +228,32 @@ def prepare_round(msg: Message, context: Context) -> Round | Message:
     data = setup.task.client_data(partition)
     numel = sum(p.numel() for p in model.parameters())
     memory = OptimizerState.load(context.state, settings.optimizer, numel)
-    return Round(setup, config, model, hooks, settings, partition, data, memory)
+    return Round(setup, config, model, hooks, settings, partition, data, memory=memory, start=start)
+
+
+def _plain(hooks: ClientHooks) -> bool:
+    """Whether `hooks` load, begin and end as ClientHooks does: the decoded global model
+    is where a cohort member starts, and its trained row is what its reply encodes."""
+    kind = type(hooks)
+    return (kind.load, kind.begin, kind.end) == (
+        ClientHooks.load,
+        ClientHooks.begin,
+        ClientHooks.end,
+    )
+
+
+def _once(
+    memo: dict[tuple[Any, ...], Any], what: str, content: RecordDict, make: Callable[[], Any]
+) -> Any:
+    """`make()` of a payload, once per cohort: the server sends every node the same records
+    for the same model, so a cohort measures and decodes the broadcast once, not once a
+    client. Keyed by the identity of every record but the node's own `config` (what
+    `payload_traffic` and `decode` read), which the cohort's messages keep alive and
+    unchanged while it prepares them."""
+    key = (what, *((name, id(record)) for name, record in content.items() if name != "config"))
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def finish_round(
@@ -219,10 +262,16 @@ def finish_round(
     prepared: Round,
     result: LocalResult,
     own_metrics: Callable[[], dict[str, Any]],
+    trained: torch.Tensor | None = None,
 ) -> Message:
-    """The reply: the hooks encode the trained model; the metrics the server checks."""
+    """The reply: the hooks encode the trained model (or, for `_plain` hooks, the `trained`
+    row as `ClientHooks.end` would); the metrics the server checks."""
     hooks, data, partition = prepared.hooks, prepared.data, prepared.partition
-    records, extra = hooks.end(prepared.model, context.state, prepared.setup.task.layout)
+    layout = prepared.setup.task.layout
+    if trained is not None:
+        records, extra = encode_dense(trained, layout), {}
+    else:
+        records, extra = hooks.end(prepared.model, context.state, layout)
     if prepared.memory is not None:
         prepared.memory.save(context.state)
     metrics = new_record(
@@ -333,17 +382,18 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     setup = _setup_of(pairs[0][1])
     layout = setup.task.layout
     members: list[tuple[int, Round, Member]] = []
+    broadcast: dict[tuple[Any, ...], Any] = {}
     for i in chosen:
         msg, context = pairs[i]
         try:
-            prepared = prepare_round(msg, context)
+            prepared = prepare_round(msg, context, broadcast)
         except Exception as err:  # this client fails alone, as it would per client
             replies[i] = err
             continue
         if isinstance(prepared, Message):
             replies[i] = prepared
             continue
-        start = layout.read(prepared.model)
+        start = prepared.start if prepared.start is not None else layout.read(prepared.model)
         x, y = prepared.data
         member = Member(start, x, y, prepared.hooks, prepared.settings, prepared.memory)
         members.append((i, prepared, member))
@@ -354,6 +404,9 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
         msg, context = pairs[i]
         try:
+            if prepared.start is not None:  # `_plain` hooks: the row is the reply
+                replies[i] = finish_round(msg, context, prepared, result, _no_metrics, row)
+                continue
             layout.load_into(prepared.model, row)
             replies[i] = finish_round(msg, context, prepared, result, _no_metrics)
         except Exception as err:

@@ -28,7 +28,9 @@ side on 127.0.0.1:
 2. The aggregation of 10 such replies: ours (`fl.wire.streaming.streamed_weighted_mean` on the
    decoded vectors, what `ServerStrategy.aggregate` does: `aggregate_gbps`; and from the
    replies' ArrayRecords to the new global ArrayRecord, decoding and encoding included, as
-   Flower's function does: `aggregate_records_gbps`), Flower's `aggregate_arrayrecords` on
+   Flower's function does: `aggregate_records_gbps`, `fl.wire.streaming.streamed_record_mean`
+   reading the replies in place; `aggregate_decoded_records_gbps`: the same through decoded
+   vectors, the path before issue 37), Flower's `aggregate_arrayrecords` on
    the ArrayRecords, and memcpy (np.copyto of every reply into one buffer): GB/s of reply
    bytes read, medians over repeats with their range, the arms alternating within each
    repeat and the load recorded before it. The headline,
@@ -298,7 +300,7 @@ def aggregation(mb: float, repeats: int) -> dict[str, float]:
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
     from fl.wire.records import Layout, arrays_to_vector, numpy_to_array, vector_to_arrays
-    from fl.wire.streaming import streamed_weighted_mean
+    from fl.wire.streaming import streamed_record_mean, streamed_weighted_mean
 
     torch.set_num_threads(1)  # as every run pins it (torch_threads: 1); NumPy is single-threaded
     replies = [model(mb, 1000 + i) for i in range(REPLIES)]
@@ -323,11 +325,16 @@ def aggregation(mb: float, repeats: int) -> dict[str, float]:
             np.copyto(buffer, vector.numpy())
 
     def ours_from_records() -> None:  # records in, record out, as Flower's function
+        counts = torch.tensor([r["metrics"]["num-examples"] for r in records])
+        streamed_record_mean([r.array_records["arrays"] for r in records], counts, layout)
+
+    def ours_decoded_records() -> None:  # the same, through decoded vectors (the old path)
         decoded = [arrays_to_vector(r.array_records["arrays"], layout) for r in records]
         vector_to_arrays(streamed_weighted_mean(decoded, weights), layout)
 
     arms = {
         "aggregate_records": ours_from_records,  # like for like with Flower's: the headline
+        "aggregate_decoded_records": ours_decoded_records,
         "flower_aggregate": lambda: aggregate_arrayrecords(records, "num-examples"),
         "aggregate": lambda: streamed_weighted_mean(vectors, weights),  # the kernel alone
         "memcpy": memcpy,
@@ -363,10 +370,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     parser.add_argument("--mb", type=float, default=46.8, help="model size (46.8: ResNet-18)")
     parser.add_argument("--repeats", type=int, default=5, help="messages per mode (medians)")
+    parser.add_argument(
+        "--aggregation-only", action="store_true", help="part 2 only: no SuperLink round trips"
+    )
     args = parser.parse_args(argv)
     load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp:
-        flower = flower_round_trips(args.mb, args.repeats, Path(tmp))
+    flower: dict[str, Any] = {"rows": {}, "fallbacks": {}, "loads": {}}
+    if not args.aggregation_only:
+        with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp:
+            flower = flower_round_trips(args.mb, args.repeats, Path(tmp))
     rows = flower["rows"]
     load.append(os.getloadavg()[0])
     result: dict[str, Any] = {
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         value = result[f"{mode}_s"]
         result[f"{mode}_speedup"] = result["inline_s"] / value if value else None
         result[f"{mode}_goal"] = goal
-    for key in ("aggregate", "aggregate_records"):
+    for key in ("aggregate", "aggregate_records", "aggregate_decoded_records"):
         result[f"{key}_speedup"] = result[f"{key}_gbps"] / result["flower_aggregate_gbps"]
     # the headline compares like with like: ArrayRecords in, ArrayRecord out on both sides
     result["headline_aggregation_vs_flower"] = result["aggregate_records_speedup"]

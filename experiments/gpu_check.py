@@ -9,7 +9,7 @@
   done directly on the GPU, bit for bit, for `grpc` and (where NIXL imports) `rdma`. Where
   NIXL imports it also READs a host blob into a CUDA tensor registered with a NIXL agent;
 - cohort training on CUDA (`cohort_check`, issue 30): 1000 synthetic clients (the many-client
-  benchmark's workload, MLP 20-32-2, one epoch of batch-16 SGD) trained by the plain loop,
+  benchmark's workload, MLP 20-32-10, one epoch of batch-16 SGD) trained by the plain loop,
   by the per-client trainer and as one cohort (`clients.cohort`, the stacked cohort moved in
   one transfer) on the same GPU; each arm's seconds, and the cohort's drift from the
   per-client trainer's weights, which must stay within `clients.cohort.DRIFT_TOLERANCE`.

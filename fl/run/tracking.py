@@ -160,13 +160,13 @@ class RunLog:
 
     def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write summary.json (with `extra` keys, e.g. ε per client) and the plot; close W&B."""
-        from fl.run.plots import plot_run
-
         target, window = self.cfg.get("target_accuracy"), int(self.cfg.get("target_window", 1))
         summary = {**summarize(self.rows, target, window), **(extra or {})}
         summary["evaluated_on"] = self.cfg.get("evaluate_on", "test")  # accuracy's split
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.rows and self.cfg.get("plots", True):
+            from fl.run.plots import plot_run  # matplotlib (~1 CPU s): only when plotting
+
             plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)
         if self.wandb is not None:
             self.wandb.summary.update(summary)

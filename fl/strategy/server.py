@@ -293,7 +293,7 @@ class ServerStrategy(FedAvg):
         if size > limit:
             raise ValueError(f"reply of {size} B exceeds max_payload_bytes {limit:.0f}")
         if record_of(content, "codec", ConfigRecord) is not None:  # (Flower's clients: none)
-            declared_traffic(content)  # its byte counts feed the round's traffic figures
+            declared_traffic(content, size)  # its byte counts feed the round's traffic
         record = record_of(content, "metrics", MetricRecord)
         if record is None:
             raise ValueError("reply has no 'metrics' record")

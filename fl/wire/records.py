@@ -29,6 +29,7 @@ __all__ = [
     "array_record",
     "array_to_numpy",
     "arrays_to_vector",
+    "dense_views",
     "new_record",
     "numpy_to_array",
     "record_of",
@@ -430,19 +431,28 @@ def _npy_layout(array: Array) -> tuple[np.dtype, tuple[int, ...], int, int, bool
 
 def arrays_to_vector(arrays: ArrayRecord, layout: Layout) -> torch.Tensor:
     """Flat float32 vector of a dense ArrayRecord, checked against `layout`."""
+    out = np.empty(layout.numel, dtype=np.float32)
+    for wire, value in zip(layout.wire, dense_views(arrays, layout), strict=True):
+        out[wire.start : wire.stop] = value
+    return torch.from_numpy(out)
+
+
+def dense_views(arrays: ArrayRecord, layout: Layout) -> list[np.ndarray]:
+    """Each tensor of a dense ArrayRecord as a flat view of its buffer (no copy unless
+    written in Fortran order), in `layout` order, checked against it: names, shapes, dtypes."""
     if arrays.keys() != layout._name_set:
         missing = [n for n in layout.names if n not in arrays]
         extra = [n for n in arrays if n not in layout._name_set]
         raise ValueError(f"keys differ from the model: missing {missing}, extra {extra}")
-    out = np.empty(layout.numel, dtype=np.float32)
+    views = []
     for wire in layout.wire:
         value = array_to_numpy(arrays[wire.name])
         if value.shape != wire.shape:
             raise ValueError(f"{wire.name}: shape {value.shape}, expected {wire.shape}")
         if value.dtype != wire.dtype:
             raise ValueError(f"{wire.name}: dtype {value.dtype}, expected {wire.dtype}")
-        out[wire.start : wire.stop] = value.reshape(-1)
-    return torch.from_numpy(out)
+        views.append(value.reshape(-1))
+    return views
 
 
 def vector_to_arrays(vector: torch.Tensor, layout: Layout) -> ArrayRecord:

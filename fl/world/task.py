@@ -93,6 +93,13 @@ def _cap_gpu_memory(fraction: str | None) -> None:
     torch.cuda.set_per_process_memory_fraction(value, torch.cuda.current_device())
 
 
+# Generated clients are kept once made where the whole population's training data fits in
+# this (known from the sizes alone, before any client is made): every round after the first
+# reads them instead of drawing them again. A larger population (a million devices, a few
+# of them a round) is generated per use, as before: its clients rarely repeat.
+GENERATED_CACHE_BYTES = 256 * 2**20
+
+
 @dataclass
 class Task:
     """Data, partitions and model factory of one run.
@@ -109,6 +116,9 @@ class Task:
     device: torch.device
     devices: SyntheticDevices | None = None
     _local: threading.local = field(default_factory=threading.local, repr=False)
+    _generated: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     def new_model(self) -> nn.Module:
         """A freshly initialised model, identical for a given seed."""
@@ -143,11 +153,24 @@ class Task:
         assert self.partitions is not None
         return np.array([len(p) for p in self.partitions], dtype=np.int64)
 
+    @cached_property
+    def _keeps_generated(self) -> bool:
+        """Whether every generated client's training data fits in GENERATED_CACHE_BYTES."""
+        assert self.devices is not None
+        per_sample = self.devices.dim * 4 + 8  # float32 features, an int64 label
+        return int(self.devices.train_sizes.sum()) * per_sample <= GENERATED_CACHE_BYTES
+
     def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The train tensors of one client, on the task's device."""
         if self.devices is not None:
+            kept = self._generated.get(partition)
+            if kept is not None:
+                return kept
             x, y = self.devices.train(partition)
-            return x.to(self.device), y.to(self.device)
+            made = x.to(self.device), y.to(self.device)
+            if self._keeps_generated:
+                self._generated[partition] = made
+            return made
         assert self.partitions is not None
         index = torch.from_numpy(self.partitions[partition])
         x = self.dataset.x_train[index].to(self.device)

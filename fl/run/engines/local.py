@@ -260,12 +260,23 @@ def _state_memory_bytes(cfg: Any) -> int:
     return int(cfg.engine.get("state_memory_mb", DEFAULT_MEMORY_BYTES / 2**20) * 2**20)
 
 
+# From this many clients a round, a run on the per-client path says the cohort path exists.
+COHORT_HINT_CLIENTS = 100
+
+
 def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) -> None:
     """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes
     (default: the project's ServerApp and ClientApp, as before `apps` was added)."""
     apps = apps or Apps.load()
     flower_logs_once()  # a Flower strategy's lines (strategy=flower): once each, not twice
     _freeze_imports()
+    cohort = cfg.engine.get("cohort", "off") == "auto"
+    if not cohort and cfg.clients_per_round >= COHORT_HINT_CLIENTS:
+        log.info(
+            "hint: engine.cohort=auto trains a round's clients as one batched program where "
+            "the strategy is cohort-safe (several times faster; weights within documented "
+            "float tolerances, not bit-identical to this path: docs/SCALE.md)",
+        )
     grid = LocalGrid(
         apps.client,
         cfg.num_clients,
@@ -276,7 +287,7 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
         spill_dir=Path(cfg.output_dir) if cfg.get("output_dir") else None,
         state_memory_bytes=_state_memory_bytes(cfg),
         announces_partitions=True,  # our ClientApp answers `query.info` with its node config
-        cohort=cfg.engine.get("cohort", "off") == "auto",
+        cohort=cohort,
     )
     context = Context(
         run_id=grid.run.run_id,

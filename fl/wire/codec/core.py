@@ -320,10 +320,11 @@ def content_bytes(content: RecordDict) -> int:
     return total
 
 
-def declared_traffic(content: RecordDict) -> Traffic:
+def declared_traffic(content: RecordDict, held: int | None = None) -> Traffic:
     """The bytes the `codec` record declares; CodecError unless they are plausible.
 
-    Plausible: non-negative integers whose sum does not exceed what the content holds.
+    Plausible: non-negative integers whose sum does not exceed what the content holds
+    (`held`: its `content_bytes`, where the caller has counted them already).
     A check of a reply's consistency only: traffic is measured (`payload_traffic`).
     """
     record = record_of(content, CODEC, ConfigRecord)
@@ -333,7 +334,7 @@ def declared_traffic(content: RecordDict) -> Traffic:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes):
         raise CodecError(f"codec record declares sizes {sizes}, not non-negative integers")
     traffic = Traffic(cast(int, sizes[0]), cast(int, sizes[1]))
-    held = content_bytes(content)
+    held = content_bytes(content) if held is None else held
     if traffic.total > held:
         raise CodecError(f"codec record declares {traffic.total} B, the payload holds {held} B")
     return traffic
