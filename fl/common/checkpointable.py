@@ -8,9 +8,17 @@ marks their classes with `@checkpointable`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
-__all__ = ["check_state_kind", "checkpointable", "state_types"]
+import numpy as np
+import torch
+
+from fl.common.text import shown
+
+__all__ = ["check_state_kind", "check_state_values", "checkpointable", "state_types"]
 
 T = TypeVar("T", bound=type)
 _STATE_TYPES: list[type] = []
@@ -46,3 +54,52 @@ def check_state_kind(name: str, fresh: Any, saved: Any) -> None:
         raise ValueError(
             f"strategy state: {name} is {type(saved).__name__}, not {type(fresh).__name__}"
         )
+
+
+def check_state_values(name: str, state: Any) -> None:
+    """Every number in `state` is finite: floats, floating tensors and arrays, through
+    containers and state classes. A checkpoint is untrusted and a NaN it plants would reach
+    a controller (ASFL's agent, FedSU's slopes) and crash or stall the run; ValueError
+    naming the first path that holds one."""
+    stack: list[tuple[str, Any]] = [(name, state)]
+    seen: set[int] = set()
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float):
+            finite = math.isfinite(value)
+        elif isinstance(value, torch.Tensor):
+            floating = value.is_floating_point() or value.is_complex()
+            finite = not floating or bool(torch.isfinite(value).all())
+        elif isinstance(value, np.ndarray):
+            finite = value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+        else:
+            finite = True
+            if id(value) in seen:  # a shared or cyclic container is walked once
+                continue
+            seen.add(id(value))
+            stack.extend(_parts(where, value))
+        if not finite:
+            raise ValueError(f"strategy state: {where} has NaN or Inf values")
+
+
+def _parts(where: str, value: Any) -> list[tuple[str, Any]]:
+    """The named parts of a container or state class (none for a leaf)."""
+    if isinstance(value, Mapping):
+        keys = [(_join(where, "(a key)"), k) for k in value]
+        return keys + [(_join(where, _label(k)), v) for k, v in value.items()]
+    if isinstance(value, list | tuple | set | frozenset):
+        return [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(_join(where, f.name), getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, tuple(_STATE_TYPES)):
+        return [(_join(where, k), v) for k, v in vars(value).items()]
+    return []
+
+
+def _join(where: str, part: str) -> str:
+    return f"{where}.{part}" if where else part
+
+
+def _label(key: Any) -> str:
+    """A key as a path part, short whatever a file planted."""
+    return shown(key, 40) if isinstance(key, str | int) else type(key).__name__

@@ -33,7 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fl.common.checkpointable import check_state_kind
+from fl.common.checkpointable import check_state_kind, check_state_values
 from fl.common.seeding import derive_seed
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
@@ -525,7 +525,9 @@ class ServerStrategy(FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; each attribute must keep the kind it has
         (a checkpoint is untrusted: a dict stays a dict, a tensor a tensor, a number a
-        number), checked before any is set, so a bad one changes nothing."""
+        number) and hold only finite numbers, checked before any is set, so a bad one
+        changes nothing."""
+        check_state_values("", state)
         for name in self.state_attributes:
             check_state_kind(name, getattr(self, name, None), state[name])
         for name in self.state_attributes:
