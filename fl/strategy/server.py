@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fl.common.checkpointable import check_state_kind, check_state_values
 from fl.common.seeding import derive_seed
+from fl.common.text import shown
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
 from fl.strategy.surface import ALGORITHM_HOOKS, KERNEL_METHODS, refuse_kernel_overrides
@@ -371,15 +372,15 @@ class ServerStrategy(FedAvg):
             self.stats.delivered.append(node)
             if reply.has_error():
                 self.stats.failed += 1
-                log.warning("node %d failed: %s", node, reply.error.reason)
+                log.warning("node %d failed: %s", node, shown(reply.error.reason))
                 self._forget(node)
                 continue
             try:
                 updates.append(self.check_reply(reply))
             except (ValueError, CodecError, TypeError, KeyError) as err:
                 self.stats.rejected += 1
-                self.stats.reasons.append(f"node {node}: {err}")
-                log.warning("rejected reply of node %d: %s", node, err)
+                self.stats.reasons.append(f"node {node}: {shown(err)}")  # (a reply's keys,
+                log.warning("rejected reply of node %d: %s", node, shown(err))  # codec names)
                 self._forget(node)
                 continue
             self._nonces.pop(node, None)  # answered: its nonce is spent

@@ -23,6 +23,7 @@ from typing import Any
 from flwr.app import Error, Message
 
 from fl.common.errors import RunError
+from fl.common.text import shown
 
 __all__ = [
     "CONTRACT_MISMATCH",
@@ -72,4 +73,4 @@ def check_reply_error(reply: Message) -> None:
     """Raise `ContractMismatch` for a reply that says its ClientApp runs another half."""
     if reply.has_error() and reply.error.code == CONTRACT_MISMATCH:
         node = reply.metadata.src_node_id
-        raise ContractMismatch(f"node {node}: {reply.error.reason}; the run is stopped")
+        raise ContractMismatch(f"node {node}: {shown(reply.error.reason)}; the run is stopped")
