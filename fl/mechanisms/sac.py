@@ -23,6 +23,9 @@ is one `AgentFileError` line. Finite extremes are what break a run, not only NaN
 of 1e30 overflow the actor's logits, α = e^100 the losses, a negative Adam second moment
 or step count the square roots of the next step. As a second guard, a learning step whose
 loss or gradients are not finite is not taken.
+
+Why one module: the file checks mirror the agent's own `state_dict` part by part (networks,
+optimisers, buffer, generator); apart, each would reach into the other's internals.
 """
 
 from __future__ import annotations
