@@ -498,6 +498,10 @@ class ASFLServer(ServerStrategy):
             )
         if self.accuracy is not None and not 0 <= self.accuracy <= 1:
             raise ValueError(f"strategy state: accuracy {self.accuracy!r} is not in [0, 1]")
+        lengths = {e.vector.shape for e in self.cache.values() if isinstance(e, CacheEntry)}
+        model = self.global_vector.shape if self.global_vector.numel() else None
+        if len(lengths) > 1 or (model is not None and lengths - {model}):
+            raise ValueError("strategy state: cache models are not all of the model's length")
         entries = self.cache.values()
         if not all(
             isinstance(e, CacheEntry) and e.examples >= 0 and e.version >= 0 for e in entries

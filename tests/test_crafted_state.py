@@ -150,6 +150,11 @@ CHECKPOINT_ATTACKS = {
     ),
     "ASFL's features x1e30": (ASFL, lambda s: s["features"].fill_(1e30), "features are not"),
     "an action outside the grid": (ASFL, lambda s: s.update(action=9), "action 9"),
+    "a cache model of another length": (
+        ASFL,
+        lambda s: setattr(next(iter(s["cache"].values())), "vector", torch.zeros(3)),
+        "cache models",
+    ),
     "log_alpha = 100 in the agent": (
         ASFL,
         _agent(lambda a: a["log_alpha"].fill_(100.0)),
