@@ -109,6 +109,20 @@ def test_the_generic_check_walks_containers_and_state_classes() -> None:
         check_state_values("", {"ref": math.inf})
 
 
+def test_a_sentinel_field_may_be_infinite_but_never_nan() -> None:
+    from fl.mechanisms.diagnosis import PlateauDetector
+
+    detector = PlateauDetector.fresh(3, window=2)  # low: +inf, "no minimum yet"
+    check_state_values("", {"detector": detector})
+    detector.low[1] = math.nan
+    with pytest.raises(ValueError, match=r"detector\.low has NaN"):
+        check_state_values("", {"detector": detector})
+    detector.low[1] = 0.0
+    detector.window = torch.full((3,), math.inf)  # not a sentinel field: refused
+    with pytest.raises(ValueError, match=r"detector\.window"):
+        check_state_values("", {"detector": detector})
+
+
 ASFL = (
     "strategy=asfl",
     "system=heterogeneous",

@@ -60,18 +60,23 @@ def check_state_values(name: str, state: Any) -> None:
     """Every number in `state` is finite: floats, floating tensors and arrays, through
     containers and state classes. A checkpoint is untrusted and a NaN it plants would reach
     a controller (ASFL's agent, FedSU's slopes) and crash or stall the run; ValueError
-    naming the first path that holds one."""
-    stack: list[tuple[str, Any]] = [(name, state)]
+    naming the first path that holds one. A state class may name fields where ±inf is a
+    sentinel ("no minimum yet") in a `SENTINELS` class attribute: those must not be NaN."""
+    stack: list[tuple[str, Any, bool]] = [(name, state, False)]
     seen: set[int] = set()
     while stack:
-        where, value = stack.pop()
+        where, value, sentinel = stack.pop()
         if isinstance(value, float):
-            finite = math.isfinite(value)
+            finite = not math.isnan(value) if sentinel else math.isfinite(value)
         elif isinstance(value, torch.Tensor):
             floating = value.is_floating_point() or value.is_complex()
-            finite = not floating or bool(torch.isfinite(value).all())
+            ok = torch.isnan(value).logical_not() if sentinel else torch.isfinite(value)
+            finite = not floating or bool(ok.all())
         elif isinstance(value, np.ndarray):
-            finite = value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+            floating = value.dtype.kind in "fc"
+            finite = not floating or bool(
+                (~np.isnan(value) if sentinel else np.isfinite(value)).all()
+            )
         else:
             finite = True
             if id(value) in seen:  # a shared or cyclic container is walked once
@@ -82,17 +87,20 @@ def check_state_values(name: str, state: Any) -> None:
             raise ValueError(f"strategy state: {where} has NaN or Inf values")
 
 
-def _parts(where: str, value: Any) -> list[tuple[str, Any]]:
-    """The named parts of a container or state class (none for a leaf)."""
+def _parts(where: str, value: Any) -> list[tuple[str, Any, bool]]:
+    """The named parts of a container or state class (none for a leaf), each with whether
+    ±inf is its sentinel."""
     if isinstance(value, Mapping):
-        keys = [(_join(where, "(a key)"), k) for k in value]
-        return keys + [(_join(where, _label(k)), v) for k, v in value.items()]
+        keys = [(_join(where, "(a key)"), k, False) for k in value]
+        return keys + [(_join(where, _label(k)), v, False) for k, v in value.items()]
     if isinstance(value, list | tuple | set | frozenset):
-        return [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        return [(f"{where}[{i}]", v, False) for i, v in enumerate(value)]
+    sentinels = getattr(type(value), "SENTINELS", ())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [(_join(where, f.name), getattr(value, f.name)) for f in dataclasses.fields(value)]
+        names = [f.name for f in dataclasses.fields(value)]
+        return [(_join(where, n), getattr(value, n), n in sentinels) for n in names]
     if isinstance(value, tuple(_STATE_TYPES)):
-        return [(_join(where, k), v) for k, v in vars(value).items()]
+        return [(_join(where, k), v, k in sentinels) for k, v in vars(value).items()]
     return []
 
 
