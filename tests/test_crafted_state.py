@@ -109,6 +109,15 @@ def test_the_generic_check_walks_containers_and_state_classes() -> None:
         check_state_values("", {"ref": math.inf})
 
 
+def test_a_declared_nan_sentinel_may_be_nan_but_never_infinite() -> None:
+    """R2SP's spans: NaN is "not measured yet" (`nan_sentinels`); nowhere else."""
+    check_state_values("", {"spans": {7: math.nan, 8: 1.5}}, nan_ok=("spans",))
+    with pytest.raises(ValueError, match=r"^strategy state: spans\.7 has NaN"):
+        check_state_values("", {"spans": {7: math.inf}}, nan_ok=("spans",))
+    with pytest.raises(ValueError, match="batches"):
+        check_state_values("", {"spans": {}, "batches": {7: math.nan}}, nan_ok=("spans",))
+
+
 def test_a_sentinel_field_may_be_infinite_but_never_nan() -> None:
     from fl.mechanisms.diagnosis import PlateauDetector
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -56,52 +56,68 @@ def check_state_kind(name: str, fresh: Any, saved: Any) -> None:
         )
 
 
-def check_state_values(name: str, state: Any) -> None:
+FINITE, INF_OK, NAN_OK = "finite", "inf-ok", "nan-ok"  # what a value may hold
+
+
+def check_state_values(name: str, state: Any, nan_ok: Collection[str] = ()) -> None:
     """Every number in `state` is finite: floats, floating tensors and arrays, through
     containers and state classes. A checkpoint is untrusted and a NaN it plants would reach
     a controller (ASFL's agent, FedSU's slopes) and crash or stall the run; ValueError
-    naming the first path that holds one. A state class may name fields where ±inf is a
-    sentinel ("no minimum yet") in a `SENTINELS` class attribute: those must not be NaN."""
-    stack: list[tuple[str, Any, bool]] = [(name, state, False)]
+    naming the first path that holds one.
+
+    Sentinels are declared, never guessed: a state class's `SENTINELS` fields may hold ±inf
+    ("no minimum yet"), never NaN; the entries of `state` named in `nan_ok` (a strategy's
+    `nan_sentinels`, e.g. R2SP's "not measured yet") may hold NaN, never ±inf."""
+    stack: list[tuple[str, Any, str]] = [(name, state, FINITE)]
+    if isinstance(state, Mapping) and nan_ok:
+        stack = [
+            (_join(name, _label(k)), v, NAN_OK if k in nan_ok else FINITE) for k, v in state.items()
+        ]
     seen: set[int] = set()
     while stack:
-        where, value, sentinel = stack.pop()
-        if isinstance(value, float):
-            finite = not math.isnan(value) if sentinel else math.isfinite(value)
-        elif isinstance(value, torch.Tensor):
-            floating = value.is_floating_point() or value.is_complex()
-            ok = torch.isnan(value).logical_not() if sentinel else torch.isfinite(value)
-            finite = not floating or bool(ok.all())
-        elif isinstance(value, np.ndarray):
-            floating = value.dtype.kind in "fc"
-            finite = not floating or bool(
-                (~np.isnan(value) if sentinel else np.isfinite(value)).all()
-            )
-        else:
-            finite = True
-            if id(value) in seen:  # a shared or cyclic container is walked once
-                continue
-            seen.add(id(value))
-            stack.extend(_parts(where, value))
-        if not finite:
-            raise ValueError(f"strategy state: {where} has NaN or Inf values")
+        where, value, mode = stack.pop()
+        if isinstance(value, float | np.floating | torch.Tensor | np.ndarray):
+            if not _fits(value, mode):
+                raise ValueError(f"strategy state: {where} has NaN or Inf values")
+            continue
+        if id(value) in seen:  # a shared or cyclic container is walked once
+            continue
+        seen.add(id(value))
+        stack.extend(_parts(where, value, mode))
 
 
-def _parts(where: str, value: Any) -> list[tuple[str, Any, bool]]:
-    """The named parts of a container or state class (none for a leaf), each with whether
-    ±inf is its sentinel."""
+def _fits(value: float | np.floating | torch.Tensor | np.ndarray, mode: str) -> bool:
+    """Whether a leaf holds only what `mode` allows (non-floating tensors: anything)."""
+    if isinstance(value, float | np.floating):
+        nan, inf = math.isnan(value), math.isinf(value)
+    elif isinstance(value, torch.Tensor):
+        if not (value.is_floating_point() or value.is_complex()):
+            return True
+        nan, inf = bool(torch.isnan(value).any()), bool(torch.isinf(value).any())
+    else:
+        if value.dtype.kind not in "fc":
+            return True
+        nan, inf = bool(np.isnan(value).any()), bool(np.isinf(value).any())
+    return not (nan and mode != NAN_OK) and not (inf and mode != INF_OK)
+
+
+def _parts(where: str, value: Any, mode: str) -> list[tuple[str, Any, str]]:
+    """The named parts of a container (in its mode) or state class (each field finite, or
+    ±inf where the class lists it in `SENTINELS`); none for a leaf."""
     if isinstance(value, Mapping):
-        keys = [(_join(where, "(a key)"), k, False) for k in value]
-        return keys + [(_join(where, _label(k)), v, False) for k, v in value.items()]
+        keys = [(_join(where, "(a key)"), k, FINITE) for k in value]
+        return keys + [(_join(where, _label(k)), v, mode) for k, v in value.items()]
     if isinstance(value, list | tuple | set | frozenset):
-        return [(f"{where}[{i}]", v, False) for i, v in enumerate(value)]
+        return [(f"{where}[{i}]", v, mode) for i, v in enumerate(value)]
     sentinels = getattr(type(value), "SENTINELS", ())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
-        return [(_join(where, n), getattr(value, n), n in sentinels) for n in names]
-    if isinstance(value, tuple(_STATE_TYPES)):
-        return [(_join(where, k), v, k in sentinels) for k, v in vars(value).items()]
-    return []
+        fields = [(n, getattr(value, n)) for n in names]
+    elif isinstance(value, tuple(_STATE_TYPES)):
+        fields = list(vars(value).items())
+    else:
+        return []
+    return [(_join(where, n), v, INF_OK if n in sentinels else FINITE) for n, v in fields]
 
 
 def _join(where: str, part: str) -> str:

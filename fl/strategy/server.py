@@ -72,6 +72,8 @@ class ServerStrategy(FedAvg):
 
     # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
     state_attributes: ClassVar[tuple[str, ...]] = ()
+    # State attributes where NaN means "not measured yet" (checked: never ±inf)
+    nan_sentinels: ClassVar[tuple[str, ...]] = ()
     # Privacy wrappers check these (privacy.config refuses the combination before round 1):
     # central DP's noise must reach every client's copy of the model; DP-SGD's accountant
     # assumes the run's own step count every round.
@@ -528,7 +530,7 @@ class ServerStrategy(FedAvg):
         (a checkpoint is untrusted: a dict stays a dict, a tensor a tensor, a number a
         number) and hold only finite numbers, checked before any is set, so a bad one
         changes nothing."""
-        check_state_values("", state)
+        check_state_values("", state, nan_ok=self.nan_sentinels)
         for name in self.state_attributes:
             check_state_kind(name, getattr(self, name, None), state[name])
         for name in self.state_attributes:
