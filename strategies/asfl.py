@@ -63,7 +63,13 @@ import torch
 
 from fl.common.checkpointable import checkpointable
 from fl.common.seeding import derive_seed
-from fl.mechanisms.sac import GreedyPolicy, SACConfig, SACDiscrete, check_agent_file
+from fl.mechanisms.sac import (
+    STATE_BOUND,
+    GreedyPolicy,
+    SACConfig,
+    SACDiscrete,
+    check_agent_file,
+)
 from fl.strategy.client import ClientHooks
 from fl.strategy.registry import register
 from fl.strategy.server import ClientUpdate, ServerStrategy
@@ -143,6 +149,7 @@ class ASFLParams:
             batch_size=self.batch_size,
             buffer_size=self.buffer_size,
             target_entropy_ratio=self.target_entropy_ratio,
+            reward_bound=1.001 * self.reward_scale,  # |r_t| <= 1 (ρ·gain, (1 − ρ)·ℓ/L_ref)
         )
 
     @property
@@ -469,10 +476,42 @@ class ASFLServer(ServerStrategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        """The agent's checks (`SACDiscrete.checked`), the kernel's kinds and finiteness,
+        then ASFL's own bounds; a failing one is a CheckpointError and the run stops."""
+        agent = None
+        if self.agent is not None:
+            agent = self.agent.checked(state.get("agent"), "the agent")
+        super().load_state_dict(state)  # kinds and finiteness, before our bounds
+        self._check_bounds()
         self.generator.set_state(state["generator"])
         if self.agent is not None:
-            self.agent.load_state_dict(state["agent"])
+            self.agent.load_state_dict(agent)
+
+    def _check_bounds(self) -> None:
+        """Loaded values a run of ASFL can hold: an action of the grid, the agent's state
+        vector within its bound, counts, versions, times and the accuracy in range."""
+        if not isinstance(self.action, int) or not 0 <= self.action < len(self.actions):
+            raise ValueError(f"strategy state: action {self.action!r} is not in the grid")
+        if self.features.shape != (STATE_DIM,) or float(self.features.abs().max()) > STATE_BOUND:
+            raise ValueError(
+                f"strategy state: features are not {STATE_DIM} values within ±{STATE_BOUND:g}"
+            )
+        if self.accuracy is not None and not 0 <= self.accuracy <= 1:
+            raise ValueError(f"strategy state: accuracy {self.accuracy!r} is not in [0, 1]")
+        lengths = {e.vector.shape for e in self.cache.values() if isinstance(e, CacheEntry)}
+        model = self.global_vector.shape if self.global_vector.numel() else None
+        if len(lengths) > 1 or (model is not None and lengths - {model}):
+            raise ValueError("strategy state: cache models are not all of the model's length")
+        entries = self.cache.values()
+        if not all(
+            isinstance(e, CacheEntry) and e.examples >= 0 and e.version >= 0 for e in entries
+        ):
+            raise ValueError("strategy state: a cache entry has a negative count or version")
+        if not all(len(v) == 3 and min(v[1:]) >= 0 for v in self.seen.values()):
+            raise ValueError("strategy state: seen holds negative counts or durations")
+        times = [self.ref_round_s, *self.round_start_s.values()]
+        if not all(isinstance(t, int | float) and t >= 0 for t in times):
+            raise ValueError("strategy state: a round time is negative")
 
 
 def _clip(value: float) -> float:

@@ -208,6 +208,24 @@ class FedSUServer(ServerStrategy):
     def sync_specs(self) -> tuple[Synced, ...]:
         return synced_state()
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The kernel's checks (kinds, finite values), then the control's own: one length
+        for every per-scalar tensor, a clock >= 0 and start ticks within it."""
+        super().load_state_dict(state)
+        control = self.control
+        if control is None:
+            return
+        spec, test = control.speculation, control.linearity
+        parts = (spec.anchor, spec.speculating, spec.slope, spec.since, test.previous)
+        if not isinstance(control.clock, int) or control.clock < 0:
+            raise ValueError(f"strategy state: FedSU clock {control.clock!r} is not a count")
+        if len({p.shape for p in parts}) != 1 or spec.anchor.dim() != 1:
+            raise ValueError("strategy state: FedSU's per-scalar tensors differ in length")
+        if spec.speculating.dtype != torch.bool or spec.since.dtype != torch.int64:
+            raise ValueError("strategy state: FedSU's mask or start ticks have the wrong dtype")
+        if bool(((spec.since < 0) | (spec.since > control.clock)).any()):
+            raise ValueError("strategy state: FedSU start ticks lie outside 0…clock")
+
     def on_round_start(self, server_round: int) -> None:
         if self.control is None:
             numel = self.global_vector.numel()

@@ -111,6 +111,7 @@ class R2SPServer(ServerStrategy):
     loop_kinds = ("groups",)  # R2SP schedules the groups loop's group starts
     dpsgd_safe = False  # tuned batch sizes differ per node; DP-SGD assumes the run's
     state_attributes = ("spans", "batches")
+    nan_sentinels = ("spans",)  # NaN: a span still to be measured
 
     def __init__(self, params: R2SPParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -203,6 +203,7 @@ class PlateauDetector:
     earlier value since the restart, so a series that never falls stalls every `window` rounds.
     """
 
+    SENTINELS: ClassVar[tuple[str, ...]] = ("low",)  # +inf there is "none yet", not a fault
     low: torch.Tensor  # running minimum since the last restart (+inf: none yet)
     low_round: torch.Tensor  # round at which it was reached (or the restart round)
     window: torch.Tensor  # rounds without a new low that count as a stall

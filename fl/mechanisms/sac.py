@@ -14,11 +14,18 @@ torch's global generator, and `state_dict()` holds the networks, optimisers, rep
 buffer and generator as tensors and plain containers (loadable with `weights_only`).
 
 Files: `save` writes the whole agent (to go on training it in a later run), `save_policy`
-the actor alone (to act with, `GreedyPolicy`). A file read back is untrusted: loaded with
-`weights_only` from a regular file only, every tensor checked for its kind, shape and
-finiteness against the agent it is loaded into, and the optimisers' hyper-parameters kept
-from the caller's config (only their moments are read); any fault is one `AgentFileError`
-line.
+the actor alone (to act with, `GreedyPolicy`). A file read back, or an agent's state in a
+checkpoint, is untrusted: loaded with `weights_only` from a regular file only, every
+tensor checked for its kind, shape and finiteness against the agent it is loaded into,
+and its values against bounds no training of ours leaves (below), the optimisers'
+hyper-parameters kept from the caller's config (only their moments are read); any fault
+is one `AgentFileError` line. Finite extremes are what break a run, not only NaN: weights
+of 1e30 overflow the actor's logits, α = e^100 the losses, a negative Adam second moment
+or step count the square roots of the next step. As a second guard, a learning step whose
+loss or gradients are not finite is not taken.
+
+Why one module: the file checks mirror the agent's own `state_dict` part by part (networks,
+optimisers, buffer, generator); apart, each would reach into the other's internals.
 """
 
 from __future__ import annotations
@@ -48,6 +55,14 @@ __all__ = [
     "check_agent_file",
 ]
 
+# Bounds on loaded values (ours; the paper has no files). Networks start within
+# ±1/sqrt(fan_in) and Adam moves a weight by about lr a step, so no run of ours comes near
+# PARAMETER_BOUND; within it and STATE_BOUND the logits stay far below float32's 3.4e38.
+# α = exp(log α) spans LOG_ALPHA_RANGE: 2e-22 to 2.2e4, far wider than the temperature
+# learned towards a target entropy of at most log |A| ever goes.
+PARAMETER_BOUND = 1e4  # |w| of every network weight and bias
+STATE_BOUND = 1e6  # |x| of every state the replay buffer holds
+LOG_ALPHA_RANGE = (-50.0, 10.0)
 AGENT_KIND = "sac-discrete-agent"  # the whole agent: networks, optimisers, buffer, generator
 POLICY_KIND = "sac-discrete-policy"  # the actor alone
 
@@ -69,6 +84,7 @@ class SACConfig:
     batch_size: int = 64
     buffer_size: int = 100_000
     target_entropy_ratio: float = 0.98  # target entropy = ratio · log |A|
+    reward_bound: float = math.inf  # |r| of a stored reward (a loaded buffer is checked)
 
 
 class ReplayBuffer:
@@ -214,26 +230,24 @@ class SACDiscrete:
         ]
         return losses[0] + losses[1]
 
-    def learn(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Critic, actor and temperature steps on `batch`, then the Polyak target update."""
+    def learn(self, batch: dict[str, torch.Tensor]) -> dict[str, float] | None:
+        """Critic, actor and temperature steps on `batch`, then the Polyak target update;
+        None, and the rest of the update skipped, where a loss or gradient is not finite."""
         critic_loss = self.critic_loss(batch)
-        self.critic_optimizer.zero_grad()
-        critic_loss.backward()
-        self.critic_optimizer.step()
+        if not _step(self.critic_optimizer, critic_loss):
+            return None
 
         probs, log_probs = self.policy(batch["states"])
         with torch.no_grad():
             q = torch.min(*(c(batch["states"]) for c in self.critics))
         actor_loss = (probs * (self.alpha * log_probs - q)).sum(-1).mean()
-        self.actor_optimizer.zero_grad()
-        actor_loss.backward()
-        self.actor_optimizer.step()
+        if not _step(self.actor_optimizer, actor_loss):
+            return None
 
         entropy = -(probs.detach() * log_probs.detach()).sum(-1)
         alpha_loss = (self.log_alpha * (entropy - self.target_entropy)).mean()
-        self.alpha_optimizer.zero_grad()
-        alpha_loss.backward()
-        self.alpha_optimizer.step()
+        if not _step(self.alpha_optimizer, alpha_loss):
+            return None
 
         with torch.no_grad():
             for target, critic in zip(
@@ -291,12 +305,23 @@ class SACDiscrete:
         """Continue from the agent `save` wrote to `path`: every part checked first, the
         optimisers' moments read but their hyper-parameters kept from this config."""
         state = _read(path, (AGENT_KIND,), self.config, meta)
+        self.load_state_dict(self.checked(state, f"agent file {path}"))
+
+    def checked(self, state: Any, source: str) -> dict[str, Any]:
+        """An untrusted `state_dict` (a file's, a checkpoint's) made safe to load: kinds,
+        shapes and values checked, the optimisers' hyper-parameters replaced by this
+        agent's; AgentFileError naming `source` and the first part that does not fit."""
         own = self.state_dict()
-        check = _Checker(path)
+        check = _Checker(source)
         if not isinstance(state, dict) or set(state) != set(own):
             raise check.error("not an agent's state")
-        for name in ("actor", "critics", "targets", "log_alpha"):
-            check.like(state[name], own[name], name)
+        state = dict(state)
+        for name in ("actor", "critics", "targets"):
+            check.like(state[name], own[name], name, bound=PARAMETER_BOUND)
+        check.like(state["log_alpha"], own["log_alpha"], "log_alpha")
+        low, high = LOG_ALPHA_RANGE
+        if not low <= float(state["log_alpha"]) <= high:
+            raise check.error(f"log_alpha {float(state['log_alpha']):.4g} is outside {low}…{high}")
         optimizers = {
             "actor_optimizer": self.actor_optimizer,
             "critic_optimizer": self.critic_optimizer,
@@ -307,10 +332,11 @@ class SACDiscrete:
             state[name] = {"state": moments, "param_groups": own[name]["param_groups"]}
         check.buffer(state["buffer"], self.config)
         check.like(state["generator"], own["generator"], "generator")
-        try:
-            self.load_state_dict(state)
+        try:  # on a scratch agent: a generator state torch refuses is one line too
+            SACDiscrete(self.config, 0).load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as err:
             raise check.error(_first_line(err)) from None
+        return state
 
 
 class GreedyPolicy:
@@ -329,7 +355,8 @@ class GreedyPolicy:
         whole = isinstance(body, Mapping) and {"actor", "buffer"} <= body.keys()
         actor = body["actor"] if whole else body  # an agent file's actor, or a policy file
         policy = cls(config)
-        _Checker(path).like(actor, policy.actor.state_dict(), "actor")
+        check = _Checker(f"agent file {path}")
+        check.like(actor, policy.actor.state_dict(), "actor", bound=PARAMETER_BOUND)
         policy.actor.load_state_dict(actor)  # checked: the actor's own keys and shapes
         return policy
 
@@ -376,7 +403,7 @@ def _read(
     path: str | Path, kinds: tuple[str, ...], config: SACConfig, meta: Mapping[str, Any] | None
 ) -> Any:
     """The body of a file of one of `kinds` saved for these sizes and meta."""
-    check = _Checker(path)
+    check = _Checker(f"agent file {path}")
     try:
         with open_regular(path) as f:
             payload = torch.load(f, weights_only=True)
@@ -400,18 +427,43 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-class _Checker:
-    """Kind, shape and finiteness checks of a loaded file's parts against the live agent's."""
+def _step(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
+    """One optimiser step on `loss`, taken only where the loss and every gradient are
+    finite (an overflow never reaches the weights); whether it was taken."""
+    optimizer.zero_grad()
+    if not bool(torch.isfinite(loss)):
+        return False
+    loss.backward()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        optimizer.zero_grad()
+        return False
+    optimizer.step()
+    return True
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = path
+
+def _adam_ratio(betas: tuple[float, float]) -> float:
+    """The most |m| / sqrt(v) Adam's moments reach from any gradients: by Cauchy-Schwarz,
+    (1 − β1) / sqrt((1 − β2)(1 − β1²/β2)) (7.3 for the defaults), where β1² < β2."""
+    beta1, beta2 = betas
+    if beta1**2 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1**2 / beta2))
+
+
+class _Checker:
+    """Kind, shape, finiteness and bound checks of a loaded state's parts against the
+    live agent's."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
 
     def error(self, reason: str) -> AgentFileError:
-        return AgentFileError(f"agent file {self.path}: {reason}")
+        return AgentFileError(f"{self.source}: {reason}")
 
-    def like(self, value: Any, template: Any, where: str) -> None:
+    def like(self, value: Any, template: Any, where: str, bound: float = math.inf) -> None:
         """`value` has `template`'s structure: the same keys, tensors of the same dtype and
-        shape (floating ones finite), numbers where it has numbers."""
+        shape (floating ones finite and within ±`bound`), numbers where it has numbers."""
         if isinstance(template, torch.Tensor):
             ok = isinstance(value, torch.Tensor) and value.dtype == template.dtype
             if not ok or value.shape != template.shape:
@@ -419,11 +471,13 @@ class _Checker:
                 raise self.error(f"{where} is {shape}, expected {tuple(template.shape)}")
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise self.error(f"{where} has NaN or Inf values")
+            if value.is_floating_point() and value.numel() and float(value.abs().max()) > bound:
+                raise self.error(f"{where} has values beyond ±{bound:g}")
         elif isinstance(template, Mapping):
             if not isinstance(value, Mapping) or set(value) != set(template):
                 raise self.error(f"{where} does not have the expected entries")
             for key in template:
-                self.like(value[key], template[key], f"{where}.{key}")
+                self.like(value[key], template[key], f"{where}.{key}", bound)
         elif isinstance(template, int | float) and not _is_number(value):
             raise self.error(f"{where} is not a number")
 
@@ -441,6 +495,15 @@ class _Checker:
             for i, p in enumerate(params)
         }
         self.like(moments, template, f"{where}.state")
+        ratio = _adam_ratio(optimizer.param_groups[0]["betas"])
+        for i, moment in moments.items():
+            step, m, v = moment["step"], moment["exp_avg"], moment["exp_avg_sq"]
+            if not 0 <= float(step) <= 2**53 or float(step) != math.floor(float(step)):
+                raise self.error(f"{where}.state.{i}.step {float(step):g} is not a count >= 0")
+            if not bool((v >= 0).all()):
+                raise self.error(f"{where}.state.{i}.exp_avg_sq has negative values")
+            if not bool((m.abs() <= ratio * v.sqrt() * 1.001 + 1e-12).all()):
+                raise self.error(f"{where}.state.{i}.exp_avg exceeds what its exp_avg_sq allows")
         return dict(moments)
 
     def buffer(self, saved: Any, config: SACConfig) -> None:
@@ -459,6 +522,11 @@ class _Checker:
             "position": 0,
         }
         self.like(saved, template, "buffer")
+        for name in ("states", "next_states"):
+            self.like(saved[name], template[name], f"buffer.{name}", bound=STATE_BOUND)
+        self.like(saved["rewards"], template["rewards"], "buffer.rewards", config.reward_bound)
+        if n and not bool(((saved["dones"] == 0) | (saved["dones"] == 1)).all()):
+            raise self.error("buffer.dones holds values other than 0 and 1")
         actions, position = saved["actions"], saved["position"]
         if n and not bool(((actions >= 0) & (actions < config.num_actions)).all()):
             raise self.error("buffer holds actions out of range")

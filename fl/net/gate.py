@@ -21,8 +21,10 @@ request, logging it. The Control API is then reachable only from the SuperLink's
 
 Every wait has a deadline and every peer a share: a request's headers must arrive within
 `header_timeout_s` of the connection (or of the previous response), its body within
-`body_timeout_s`, and one address holds at most `max_connections_per_peer` connections,
-so idle or trickling connections from one outsider cannot lock SuperNodes out.
+`body_timeout_s`, and one address holds at most `max_connections_per_peer` open
+connections, so idle or trickling connections from one outsider cannot lock SuperNodes
+out, nor lock out a SuperNode behind the same address for longer than `header_timeout_s`
+after the outsider stops (a closed connection no longer counts, TLS or not).
 """
 
 from __future__ import annotations
@@ -180,26 +182,45 @@ def make_app(config: GateConfig) -> Starlette:
 
 
 def guarded_protocol(config: GateConfig) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with `config`'s header deadline and per-peer connection cap."""
+    """uvicorn's h11 protocol with `config`'s header deadline and per-peer connection cap.
+
+    A connection holds its address's share from the moment it is handed to the protocol
+    (after the TLS handshake) until the gate closes it, not until it is gone: with TLS a
+    closed connection waits for the peer's close_notify (asyncio's ssl_shutdown_timeout,
+    30 s) before `connection_lost`, and a burst whose sockets never answer used to keep
+    its address over the share that long. Connections the gate refuses or finds idle are
+    aborted, with no close_notify to wait for.
+    """
     open_by_peer: Counter[str] = Counter()
 
     class Guarded(H11Protocol):
         _timer: asyncio.TimerHandle | None = None
         _peer = ""
+        _counted = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._peer = self.client[0] if self.client else "?"
             open_by_peer[self._peer] += 1
+            self._counted = True
             if open_by_peer[self._peer] > config.max_connections_per_peer:
                 log.warning(
                     "refused a connection from %s: over %d open",
                     self._peer,
                     config.max_connections_per_peer,
                 )
-                transport.close()
+                self._release()
+                transport.abort()
                 return
             self._arm()
+
+        def _release(self) -> None:
+            """Give the connection's share of its address back (once)."""
+            if self._counted:
+                self._counted = False
+                open_by_peer[self._peer] -= 1
+                if open_by_peer[self._peer] <= 0:
+                    del open_by_peer[self._peer]
 
         def _arm(self) -> None:
             self._disarm()
@@ -217,23 +238,38 @@ def guarded_protocol(config: GateConfig) -> type[H11Protocol]:
                     self._peer,
                     config.header_timeout_s,
                 )
-                self.transport.close()
+                self._release()
+                self.transport.abort()
+
+        def _release_if_closing(self) -> None:
+            """After each place uvicorn may close the connection (a bad request, the end
+            of a response without keep-alive, its keep-alive timeout, shutdown)."""
+            if self.transport.is_closing():
+                self._release()
 
         def handle_events(self) -> None:
             super().handle_events()
+            self._release_if_closing()
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()  # a request's headers are in: the body has its own deadline
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._release_if_closing()
             if not self.transport.is_closing():
                 self._arm()  # the next request's headers
 
+        def timeout_keep_alive_handler(self) -> None:
+            super().timeout_keep_alive_handler()
+            self._release_if_closing()
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self._release_if_closing()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            open_by_peer[self._peer] -= 1
-            if open_by_peer[self._peer] <= 0:
-                del open_by_peer[self._peer]
+            self._release()
             super().connection_lost(exc)
 
     return Guarded

@@ -188,7 +188,11 @@ def fork_into(spec: str, out_dir: Path, config: Mapping[str, Any]) -> None:
     source, saved = _usable(_fork_source(spec), REQUIRED)
     _check_changes(saved["config"], config, FORK_KEEPS, kept=True, what="fork")
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, out_dir / CHECKPOINT)  # the file that loaded, not a broken newer one
+    try:  # the file that loaded (still a regular file), never over something already there
+        with open_regular(source) as f, (out_dir / CHECKPOINT).open("xb") as copy:
+            shutil.copyfileobj(f, copy)
+    except FileExistsError:
+        raise CheckpointError(f"fork_from: {out_dir / CHECKPOINT} already exists") from None
 
 
 def _round_of(path: Path) -> int | None:

@@ -8,10 +8,12 @@ Problems the user can fix end in one line on stderr and a non-zero exit, never a
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
 import logging
+import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -37,6 +39,7 @@ __all__ = ["latest_run", "main", "preflight"]
 log = logging.getLogger(__name__)
 OUTPUTS = Path("outputs")  # where `hydra.run.dir` points by default (conf/config.yaml)
 OVERRIDES = Path(".hydra") / "overrides.yaml"  # the command line of a run, for labels and resume
+JOB_LOG = "run.log"  # Hydra's job log (conf/config.yaml: hydra.job.name)
 
 
 def _save_overrides(out_dir: Path, *, resume: bool) -> None:
@@ -53,6 +56,7 @@ def _main(cfg: DictConfig) -> dict[str, Any] | None:
     """One run; its summary is the job's return value (a sweeper's objective reads it)."""
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
+    new_dir = hydra_cfg.mode == RunMode.RUN and _holds_only(out_dir, JOB_LOG)
     try:
         validate(cfg)
         preflight(cfg)  # the user's output_dir; device, data files and partition sizes
@@ -72,9 +76,33 @@ def _main(cfg: DictConfig) -> dict[str, Any] | None:
 
         run_engine(cfg, to_run_config(cfg), Apps.load())
     except (ConfigError, RunError) as err:
+        if new_dir:
+            _clear_refused(out_dir)
         raise SystemExit(f"fl-run: {err}") from None
     summary = out_dir / "summary.json"  # absent where the SuperLink's machine holds the run
     return json.loads(read_regular_text(summary)) if summary.exists() else None
+
+
+def _holds_only(folder: Path, *names: str) -> bool:
+    """Whether `folder` holds nothing but `names` (Hydra made it for this run just now)."""
+    try:
+        return set(os.listdir(folder)) <= set(names)
+    except OSError:
+        return False
+
+
+def _clear_refused(out_dir: Path) -> None:
+    """A run refused before its first round leaves no folder behind (its one error line
+    says why): what this invocation put into the folder Hydra made for it (run.log,
+    .hydra/overrides.yaml, a fork's copy of its source checkpoint) goes, then the folder.
+    A run that wrote metrics rows keeps everything."""
+    if (out_dir / "metrics.jsonl").exists():
+        return
+    for name in (JOB_LOG, str(OVERRIDES), "checkpoint.pt", "checkpoint.pt.tmp"):
+        (out_dir / name).unlink(missing_ok=True)  # a link itself, never its target
+    for folder in (out_dir / OVERRIDES.parent, out_dir):
+        with contextlib.suppress(OSError):  # not empty: something else is there, kept
+            folder.rmdir()
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -33,8 +33,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fl.common.checkpointable import check_state_kind
+from fl.common.checkpointable import check_state_kind, check_state_values
 from fl.common.seeding import derive_seed
+from fl.common.text import shown
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
 from fl.strategy.names import strategy_of
@@ -72,6 +73,8 @@ class ServerStrategy(FedAvg):
 
     # Attributes a checkpoint saves and a resume restores; stateful strategies list theirs.
     state_attributes: ClassVar[tuple[str, ...]] = ()
+    # State attributes where NaN means "not measured yet" (checked: never ±inf)
+    nan_sentinels: ClassVar[tuple[str, ...]] = ()
     # Privacy wrappers check these (privacy.config refuses the combination before round 1):
     # central DP's noise must reach every client's copy of the model; DP-SGD's accountant
     # assumes the run's own step count every round.
@@ -386,15 +389,15 @@ class ServerStrategy(FedAvg):
                 mismatched.append(reply)
             if reply.has_error():
                 self.stats.failed += 1
-                log.warning("node %d failed: %s", node, reply.error.reason)
+                log.warning("node %d failed: %s", node, shown(reply.error.reason))
                 self._forget(node)
                 continue
             try:
                 updates.append(self.check_reply(reply))
             except (ValueError, CodecError, TypeError, KeyError) as err:
                 self.stats.rejected += 1
-                self.stats.reasons.append(f"node {node}: {err}")
-                log.warning("rejected reply of node %d: %s", node, err)
+                self.stats.reasons.append(f"node {node}: {shown(err)}")  # (a reply's keys,
+                log.warning("rejected reply of node %d: %s", node, shown(err))  # codec names)
                 self._forget(node)
                 continue
             self._nonces.pop(node, None)  # answered: its nonce is spent
@@ -542,7 +545,9 @@ class ServerStrategy(FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; each attribute must keep the kind it has
         (a checkpoint is untrusted: a dict stays a dict, a tensor a tensor, a number a
-        number), checked before any is set, so a bad one changes nothing."""
+        number) and hold only finite numbers, checked before any is set, so a bad one
+        changes nothing."""
+        check_state_values("", state, nan_ok=self.nan_sentinels)
         for name in self.state_attributes:
             check_state_kind(name, getattr(self, name, None), state[name])
         for name in self.state_attributes:

@@ -26,6 +26,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fl.common.errors import RunError
+from fl.common.text import shown
 from fl.wire.codec import CODEC
 from fl.wire.sync import SYNC
 
@@ -78,7 +79,7 @@ def check_reply_error(reply: Message) -> None:
     """Raise `ContractMismatch` for a reply that says its ClientApp runs another half."""
     if reply.has_error() and reply.error.code == CONTRACT_MISMATCH:
         node = reply.metadata.src_node_id
-        raise ContractMismatch(f"node {node}: {reply.error.reason}; the run is stopped")
+        raise ContractMismatch(f"node {node}: {shown(reply.error.reason)}; the run is stopped")
 
 
 def unreadable(

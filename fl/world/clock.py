@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from fl.common.config import check_number
+from fl.common.config import ConfigError, check_number, require
 from fl.world.devices import MBIT, DeviceProfile, Profiles, build_profiles
 from fl.world.traces import AvailabilityTrace, SpeedTrace, ToggleTrace
 
@@ -521,3 +521,23 @@ def check_system(cfg: DictConfig) -> None:
     check_number(cfg, "system.availability", 0, 1, strict=True)
     check_number(cfg, "system.server_bandwidth_mbps", 0, strict=True, null=True)
     check_number(cfg, "system.aggregation_s_per_update", 0)
+    _check_traces(cfg)
+
+
+def _check_traces(cfg: DictConfig) -> None:
+    """The trace keys, and a trace file read as the run will read it: a missing or
+    malformed file is one config error before the run, not a traceback in round 1."""
+    system = cfg.get("system") or {}
+    kind = system.get("speed_trace")
+    require(kind in (None, "ar1", "toggle"), "system.speed_trace", kind, "ar1, toggle or null")
+    source = system.get("availability_trace")
+    if source is None:
+        return
+    if source == "seeded":
+        means = [k for k in ("mean_online_s", "mean_offline_s") if system.get(k) is None]
+        require(not means, "system.availability_trace", source, f"seeded needs {means}")
+        return
+    try:
+        AvailabilityTrace.from_file(str(source), int(cfg.num_clients))
+    except ValueError as err:
+        raise ConfigError(f"invalid config: system.availability_trace: {err}") from None

@@ -26,6 +26,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fl.common.text import shown
 from fl.net.transport.offer import OFFER, Offer
 from fl.net.transport.reference import REFERENCE, Packer, Reference, ReferenceError, unpack
 from fl.net.transport.service import BulkService
@@ -162,7 +163,7 @@ class BulkGrid(DelegatingGrid):
 
     def _retry(self, sent: _Sent, reply: Message) -> None:
         """The node could not fetch its arrays: push the original instruction inline."""
-        reason = reply.content.config_records[RETRY].get("reason", "")
+        reason = shown(reply.content.config_records[RETRY].get("reason", ""))
         log.warning("node %d could not fetch its arrays (%s): sent inline", _src(reply), reason)
         self.counts["bulk_fallbacks"] += 1
         self.store.release(sent.token)
@@ -175,7 +176,9 @@ class BulkGrid(DelegatingGrid):
         content = reply.content
         if REPORT in content.config_records:  # its upload failed: the arrays came inline
             reason = content.config_records[REPORT].get("fallback", "")
-            log.warning("node %d could not upload its reply (%s): came inline", _src(reply), reason)
+            log.warning(
+                "node %d could not upload its reply (%s): came inline", _src(reply), shown(reason)
+            )
             self.counts["bulk_fallbacks"] += 1
             reply.content = RecordDict({k: v for k, v in content.items() if k != REPORT})
             return reply
@@ -188,10 +191,10 @@ class BulkGrid(DelegatingGrid):
             blob = self.store.take_upload(sent.token, reference.sha256)  # checked on arrival
             reply.content = unpack(content, reference, blob, hashed=True)
         except (ReferenceError, StoreError) as err:
-            log.warning("node %d: reply reference refused: %s", _src(reply), err)
+            log.warning("node %d: reply reference refused: %s", _src(reply), shown(err))
             self.counts["bulk_refused"] += 1
             reply.__dict__["_content"] = None  # Message forbids content and error together
-            reply.error = Error(BULK_FAILED, f"bulk reference refused: {err}")
+            reply.error = Error(BULK_FAILED, f"bulk reference refused: {shown(err)}")
             return reply
         self.counts["bulk_up"] += 1
         return reply

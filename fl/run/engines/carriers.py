@@ -30,6 +30,7 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from fl.common.config import plain
+from fl.common.text import shown
 from fl.run.faults import group_injects
 from fl.wire.grids import DelegatingGrid
 
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENVELOPE = "cohort"  # the ConfigRecord that makes a train message an envelope
 PATH_CHARS = 200  # a carrier's account of its path is logged, never longer than this
+# (escaped too: `fl.common.text.shown`, as every reason a reply carries)
 
 
 def carrier_grid(grid: Grid, cfg: DictConfig, partitions: Mapping[int, int], arrival: str) -> Grid:
@@ -295,7 +297,7 @@ def open_replies(reply: Message, members: Sequence[Message]) -> tuple[list[Messa
     A carrier that failed, or answered in any other shape, fails every member it carried.
     """
     if reply.has_error():
-        reason = f"its carrier failed: {reply.error.reason}"
+        reason = f"its carrier failed: {shown(reply.error.reason)}"
         return [Message(Error(reply.error.code, reason), reply_to=m) for m in members], "failed"
     try:
         header = reply.content[ENVELOPE]
@@ -304,7 +306,7 @@ def open_replies(reply: Message, members: Sequence[Message]) -> tuple[list[Messa
         records = _by_member(reply.content, len(members))
         failed = _errors(header, len(members))
         path = header.get("path")
-        path = path[:PATH_CHARS] if isinstance(path, str) else "?"
+        path = shown(path, PATH_CHARS) if isinstance(path, str) else "?"
     except (KeyError, ValueError) as err:
         reason = f"malformed reply from its carrier: {err}"
         return [
@@ -342,4 +344,4 @@ def _errors(header: ConfigRecord, count: int) -> dict[int, tuple[int, str]]:
         and all(0 <= j < count for j in members)
     ):
         raise ValueError("its error lists do not fit its members")
-    return {j: (c, r) for j, c, r in zip(members, codes, reasons, strict=True)}
+    return {j: (c, shown(r)) for j, c, r in zip(members, codes, reasons, strict=True)}
