@@ -22,14 +22,43 @@ SYSTEMS += ["dpbalance"]
 EARLIEST = {"pas": 0.4, "gift": 0.4, "fedsu": 0.7, "fedca": 0.9}
 # What each paper preset takes from its paper (spec's "Evaluation setup"): key -> value.
 PAPER_SETTINGS = {
-    "apf": {"task.model": "lenet5", "optimizer": "adam", "lr": 1e-3, "weight_decay": 0.01,
-            "batch_size": 100, "local_steps": 10, "num_clients": 50, "partition.alpha": 1.0},
-    "pas": {"local_steps": 200, "batch_size": 100, "lr": 0.01, "weight_decay": 0.01,
-            "num_clients": 100, "partition.alpha": 0.5, "rounds": 1000},
-    "fedsu": {"local_steps": 50, "batch_size": 32, "lr": 0.01, "weight_decay": 0.001,
-              "num_clients": 128, "partition.alpha": 1.0, "task.model": "lenet5"},
-    "fedca": {"task.model": "lenet5", "local_steps": 125, "batch_size": 50, "lr": 0.01,
-              "weight_decay": 0.01, "num_clients": 128, "partition.alpha": 0.1},
+    "apf": {
+        "task.model": "lenet5",
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "batch_size": 100,
+        "local_steps": 10,
+        "num_clients": 50,
+        "partition.alpha": 1.0,
+    },
+    "pas": {
+        "local_steps": 200,
+        "batch_size": 100,
+        "lr": 0.01,
+        "weight_decay": 0.01,
+        "num_clients": 100,
+        "partition.alpha": 0.5,
+        "rounds": 1000,
+    },
+    "fedsu": {
+        "local_steps": 50,
+        "batch_size": 32,
+        "lr": 0.01,
+        "weight_decay": 0.001,
+        "num_clients": 128,
+        "partition.alpha": 1.0,
+        "task.model": "lenet5",
+    },
+    "fedca": {
+        "task.model": "lenet5",
+        "local_steps": 125,
+        "batch_size": 50,
+        "lr": 0.01,
+        "weight_decay": 0.01,
+        "num_clients": 128,
+        "partition.alpha": 0.1,
+    },
     "r2sp": {"local_steps": 1, "batch_size": 128, "lr": 0.01, "num_clients": 16},
 }
 

@@ -471,10 +471,10 @@ PAPER_MECHANICS: dict[str, Callable[[list[Arm]], None]] = {
     "grafting": _grafts_report,
     "dpbalance": _ledger_charges,
 }
-MECHANICS |= {f"{s}_{kind}": check for s, check in PAPER_MECHANICS.items() for kind in ("paper", "room")}
+MECHANICS |= {f"{s}_{k}": check for s, check in PAPER_MECHANICS.items() for k in ("paper", "room")}
 # Their quick sweeps take 10-25 s each on 2 busy cores: the default suite runs these few
-# (about 45 s), the others are marked slow (`pytest -m slow tests/test_presets.py`).
-PAPER_QUICK_DEFAULT = {"apf_paper", "fedsu_room", "lrd2d_room", "dpbalance_room"}
+# (about 20 s), the others are marked slow (`pytest -m slow tests/test_presets.py`).
+PAPER_QUICK_DEFAULT = {"apf_paper", "dpbalance_room"}
 
 
 def _sweep_cases(names: list[str]) -> list[Any]:
