@@ -25,7 +25,7 @@ from omegaconf import DictConfig, open_dict
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
 from fl.common.config import CONF_DIR, ConfigError, plain, require, to_run_config
 from fl.common.errors import RunError
-from fl.common.files import read_regular_text
+from fl.common.files import make_dir, read_regular_text, write_atomic
 from fl.run.apps import Apps
 from fl.run.engines import run_engine
 from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
@@ -44,8 +44,8 @@ def _save_overrides(out_dir: Path, *, resume: bool) -> None:
     path = out_dir / OVERRIDES
     if resume and path.exists():
         return  # a resume keeps the command line that started the run
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(list(HydraConfig.get().overrides.task)))
+    make_dir(path.parent)
+    write_atomic(path, yaml.safe_dump(list(HydraConfig.get().overrides.task)))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from fl.common.files import read_regular_text
+from fl.common.files import read_regular_text, write_atomic
 from fl.run.intervals import interval
 
 __all__ = ["Run", "compare_runs", "find_runs", "load_run", "main"]
@@ -243,7 +243,7 @@ def compare_runs(
                 f"differences and ratios:\n\n{_paired_table(arms, ref)}"
             )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
+    write_atomic(out_dir / "comparison.md", f"# {title}\n\n{text}" if title else text)
     if not plots:
         return text
     series = dict(zip(labels, (r.rows for r in runs), strict=True))

@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fl.common.files import read_regular_text
+from fl.common.files import read_regular_text, write_atomic
 from fl.run.compare import compare_runs, find_runs
 
 __all__ = ["MANIFEST", "SweepCallback", "planned_arms"]
@@ -77,9 +77,7 @@ def _read_manifest(sweep_dir: Path) -> dict[str, int]:
 
 
 def _write_manifest(sweep_dir: Path, manifest: dict[str, int]) -> None:
-    tmp = sweep_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest) + "\n")
-    tmp.replace(sweep_dir / MANIFEST)
+    write_atomic(sweep_dir / MANIFEST, json.dumps(manifest) + "\n")
 
 
 def _compare(config: DictConfig, sweep_dir: Path, run_dirs: list[Path]) -> None:

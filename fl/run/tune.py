@@ -28,7 +28,7 @@ import yaml
 from omegaconf import DictConfig
 
 from fl.common.config import ConfigError, compose, plain
-from fl.common.files import read_regular_text
+from fl.common.files import make_dir, open_for_append, read_regular_text, write_atomic
 from fl.run.compare import compare_runs, find_runs
 
 __all__ = ["Tuning", "main"]
@@ -80,8 +80,8 @@ def _positive(value: Any, where: str) -> int:
 def _fl_run(arguments: Sequence[str], log: Path) -> None:
     """One `fl-run -m` in a child process (its own Hydra, its own launcher); output to `log`."""
     command = [sys.executable, "-m", "fl.run", "-m", *arguments]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as out:
+    make_dir(log.parent)
+    with open_for_append(log) as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     if done.returncode != 0:
         raise SystemExit(f"fl.run.tune: {' '.join(command)} failed; see {log}")
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for arm, report in reports.items():
         print(f"fl.run.tune: {arm} tuned, seeds {spec.seeds}, in {out / 'final' / arm}", flush=True)
         run_tuned(spec, common, arm, report["overrides"], out, args.jobs)
-    (out / "tuning.md").write_text(_tuning_table(spec, reports, out))
+    write_atomic(out / "tuning.md", _tuning_table(spec, reports, out))
     run_dirs = [d for arm in spec.arms for d in find_runs(out / "final" / arm)]
     title = str(cfg.get("experiment_title") or out.name)
     print(compare_runs(run_dirs, out, title, plots=bool(cfg.get("plots", True))))
