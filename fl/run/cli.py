@@ -130,7 +130,7 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
         load_checkpoint(run_dir / CHECKPOINT, required=("config",))  # before its overrides
         saved_path = run_dir / OVERRIDES
         text = read_regular_text(saved_path) if saved_path.exists() else "[]"
-        saved = run_overrides(yaml.safe_load(text), str(saved_path))
+        saved = run_overrides(yaml.safe_load(text), str(saved_path), _group_options)
     except (RunError, ConfigError, yaml.YAMLError, UnicodeDecodeError) as err:
         raise SystemExit(f"fl-run: resume=latest: {run_dir}: {err}") from None
     own_keys = ("resume", "overwrite")
