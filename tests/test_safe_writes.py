@@ -199,7 +199,9 @@ def test_a_fresh_run_refuses_a_planted_checkpoint_temporary(tmp_path, victim, ti
     assert not (run / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "model.pt", "config.yaml"])
+@pytest.mark.parametrize(
+    "name", ["metrics.jsonl", "summary.json", "model.pt", "config.yaml", "run.log"]
+)
 def test_a_resume_refuses_links_among_its_files_and_loses_nothing(
     tmp_path, victim, tiny_overrides, name
 ):

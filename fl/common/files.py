@@ -13,6 +13,8 @@ through it: a link planted in a run folder cannot make a run write a shell start
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ from fl.common.errors import RunError
 
 __all__ = [
     "TEXT_LIMIT",
+    "LogFile",
     "NotRegularFile",
     "make_dir",
     "open_for_append",
@@ -194,3 +197,16 @@ def write_atomic(
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class LogFile(logging.FileHandler):
+    """Hydra's `run.log` handler, never writing through a link: a link or anything but a
+    regular file there gets nothing (fl-run then refuses the run in one line, naming it)."""
+
+    def _open(self) -> io.TextIOWrapper:
+        try:
+            with open_for_append(self.baseFilename) as f:
+                fd = os.dup(f.fileno())
+        except (NotRegularFile, OSError):
+            return open(os.devnull, "a", encoding=self.encoding)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)

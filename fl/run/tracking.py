@@ -56,6 +56,7 @@ def refuse_existing_run(out_dir: Path, *, resume: bool, overwrite: bool) -> None
         require_regular(out_dir / name)
         require_writable(out_dir / name)  # a link is never written through, nor followed
         require_writable(out_dir / f"{name}.tmp")
+    require_writable(out_dir / "run.log")  # Hydra's log: LogFile wrote nothing through it
     if not resume and not overwrite and holds_run(out_dir):
         raise RunError(
             f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
