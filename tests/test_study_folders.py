@@ -112,15 +112,16 @@ def test_a_planted_lock_link_and_arm_folder_change_nothing(tmp_path):
     assert sorted(manifest["launched"]) == ["0", "1"] and manifest["compared"] == 2
 
 
-def test_a_sweep_that_cannot_write_its_comparison_fails_in_one_line(tmp_path):
+@pytest.mark.parametrize("name", ["comparison.md", "multirun.yaml"])
+def test_a_sweep_refuses_a_link_among_its_files_in_one_line(tmp_path, name):
     sweep = tmp_path / "sweep"
     victim = tmp_path / "victim"
     victim.write_text("keep\n")
     sweep.mkdir()
-    (sweep / "comparison.md").symlink_to(victim)
+    (sweep / name).symlink_to(victim)
     proc = python_run(fl_run_cmd("-m", f"hydra.sweep.dir={sweep}", *TINY, "seed=0"))
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("fl-run: sweep: ") and "comparison.md is a symbolic link" in line
+    assert line.startswith("fl-run: sweep: ") and f"{name} is a symbolic link" in line
     assert victim.read_text() == "keep\n"

@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fl.common.errors import RunError
-from fl.common.files import NotRegularFile, read_regular_text, write_atomic
+from fl.common.files import NotRegularFile, read_regular_text, require_writable, write_atomic
 from fl.run.compare import compare_runs, find_runs
 
 __all__ = ["MANIFEST", "SweepCallback", "launched_runs", "planned_arms"]
@@ -130,6 +130,7 @@ class SweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         manifest: dict[str, Any] = {"compared": 0, "launched": []}
         try:
+            require_writable(sweep_dir / "multirun.yaml")  # Hydra's basic sweeper writes it next
             with _locked(sweep_dir):
                 _write_manifest(sweep_dir, manifest if arms is None else {"arms": arms, **manifest})
         except (OSError, RunError) as err:
