@@ -216,3 +216,16 @@ def test_a_resume_refuses_links_among_its_files_and_loses_nothing(
     _untouched(victim)
     assert (run / CHECKPOINT).read_bytes() == checkpoint  # the model is not lost
     assert load_checkpoint(run / CHECKPOINT)["progress"]["round"] == 2
+
+
+def test_the_privacy_cli_refuses_a_link_among_its_outputs(tmp_path, victim):
+    import sys
+
+    _plant(tmp_path / "study.md", victim)
+    args = ["simulate", "--devices", "4", "--rounds", "2", "--analysts", "2", "--pipelines", "2"]
+    args += ["--betas", "1", "--name", "study", "--out", str(tmp_path)]
+    proc = python_run([sys.executable, "-m", "privacy.cli", *args])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("privacy.cli: error:") and "study.md is a symbolic link" in line
+    _untouched(victim)
