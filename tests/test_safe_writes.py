@@ -229,3 +229,21 @@ def test_the_privacy_cli_refuses_a_link_among_its_outputs(tmp_path, victim):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("privacy.cli: error:") and "study.md is a symbolic link" in line
     _untouched(victim)
+
+
+def test_the_run_log_handler_writes_nothing_through_a_link(tmp_path, victim):
+    import logging
+
+    from fl.common.files import LogFile
+
+    logger = logging.getLogger("test_safe_writes")
+    for name in ("run.log", "linked.log"):
+        if name == "linked.log":
+            _plant(tmp_path / name, victim)
+        handler = LogFile(str(tmp_path / name))
+        logger.addHandler(handler)
+        logger.warning("$(touch /tmp/pwned)")
+        logger.removeHandler(handler)
+        handler.close()
+    assert "$(touch /tmp/pwned)" in (tmp_path / "run.log").read_text()
+    _untouched(victim)
