@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import fl_run_cmd, python_run
 
+from fl.run.compare import main as compare_main
 from fl.run.sweep import MANIFEST
 from fl.run.tracking import summarize
 from fl.run.tune import Tuning, check_report, tune_arm
@@ -110,6 +111,10 @@ def test_a_planted_lock_link_and_arm_folder_change_nothing(tmp_path):
     assert "seed=99" not in comparison and "0.99" not in comparison
     manifest = json.loads((sweep / MANIFEST).read_text())
     assert sorted(manifest["launched"]) == ["0", "1"] and manifest["compared"] == 2
+    # comparing the sweep folder again by hand takes the same arms
+    assert compare_main([str(sweep), "--out", str(tmp_path / "again")]) == 0
+    again = (tmp_path / "again" / "comparison.md").read_text()
+    assert "seed=1" in again and "seed=99" not in again
 
 
 @pytest.mark.parametrize("name", ["comparison.md", "multirun.yaml"])

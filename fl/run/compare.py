@@ -59,11 +59,29 @@ def load_run(run_dir: Path) -> Run:
 
 
 def find_runs(path: Path) -> list[Path]:
-    """`path` if it is a run directory, else its numbered job directories that hold a run."""
+    """`path` if it is a run directory, else its numbered job directories that hold a run;
+    of a sweep whose `sweep.json` lists the jobs it launched, only those (a folder dropped
+    in beside them is no arm)."""
     if (path / "summary.json").exists():
         return [path]
     jobs = [p.parent for p in path.glob("*/summary.json") if p.parent.name.isdigit()]
+    launched = _launched(path / "sweep.json")
+    if launched is not None:
+        jobs = [j for j in jobs if j.name in launched]
     return sorted(jobs, key=lambda p: int(p.name))
+
+
+def _launched(manifest: Path) -> set[str] | None:
+    """The job folders a sweep's manifest says it launched; None if it names none."""
+    if not manifest.exists():
+        return None
+    try:
+        launched = json.loads(read_regular_text(manifest)).get("launched")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(launched, list) and all(isinstance(n, str) for n in launched):
+        return set(launched)
+    return None
 
 
 def _varying(runs: Sequence[Run]) -> list[list[str]]:
