@@ -119,7 +119,7 @@ def _open_dir(path: Path) -> int:
 
 def make_dir(path: str | Path) -> Path:
     """`path` made (with its parents) and checked to be a directory itself, not a link to
-    one elsewhere: a folder inside a run directory (`.hydra`, `history`) is the project's."""
+    one elsewhere: a folder inside a run directory (`.hydra`, `checkpoints`) is the project's."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
