@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fl.common.errors import RunError
-from fl.common.files import require_regular
+from fl.common.files import require_regular, write_atomic
 
 __all__ = ["main", "markdown_table", "plot"]
 
@@ -93,7 +93,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[2].set_title("DPBalance: efficiency vs fairness")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -116,8 +116,8 @@ def _simulate(args: argparse.Namespace) -> int:
     print(table)
     if out is not None:
         name = args.name
-        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / f"{name}.md").write_text(table)
+        write_atomic(out / f"{name}.json", json.dumps(result, indent=2) + "\n")
+        write_atomic(out / f"{name}.md", table)
         plot(result, out / f"{name}.png")
         print(f"wrote {out}/{name}.{{json,md,png}}")
     return 0

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from fl.common.config import plain
 from fl.common.errors import RunError
+from fl.common.files import write_atomic
 from fl.mechanisms.robust import example_bounds, robust_options
 from fl.run.arrivals import RealArrivals
 from fl.run.checkpoint import (
@@ -279,7 +280,8 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     privacy.finish()
     if stop and progress.round == 0:
         raise RunError(f"{stop}; no round was trained, so no model was written")
-    torch.save(arrays.to_torch_state_dict(), out_dir / "model.pt")
+    final = arrays.to_torch_state_dict()
+    write_atomic(out_dir / "model.pt", lambda f: torch.save(final, f))
     summary = run_log.finish(privacy.summary())
     reporter.close(summary, out_dir)
     return summary

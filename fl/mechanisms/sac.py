@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fl.common.errors import RunError
-from fl.common.files import open_regular
+from fl.common.files import open_regular, require_writable, write_atomic
 
 __all__ = [
     "AgentFileError",
@@ -368,7 +367,9 @@ class GreedyPolicy:
 
 def check_agent_file(path: Path, config: SACConfig, meta: Mapping[str, Any] | None) -> None:
     """A file to start an agent from and save it back to: a usable agent where one is,
-    else a directory to write it in."""
+    else a directory to write it in; never a link, which the save-back would write through."""
+    require_writable(path)
+    require_writable(path.with_name(path.name + ".tmp"))
     if path.exists() or path.is_symlink():
         SACDiscrete(config, 0).load(path, meta)
     elif not path.parent.is_dir():
@@ -389,14 +390,8 @@ def _write(
 ) -> None:
     """`body` under a header of its kind, sizes and meta, written to a temporary file that
     then replaces `path`, so a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     payload = {"kind": kind, "sizes": _sizes(config), "meta": dict(meta or {}), "body": body}
-    with tmp.open("wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: torch.save(payload, f))
 
 
 def _read(

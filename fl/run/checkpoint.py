@@ -35,7 +35,7 @@ from numpy._core.multiarray import _reconstruct  # numpy's own pickle hook for a
 
 from fl.common.checkpointable import state_types
 from fl.common.errors import RunError
-from fl.common.files import open_regular
+from fl.common.files import NotRegularFile, make_dir, open_regular, write_atomic
 from fl.common.moved import old_names
 from fl.strategy.registry import available, get_strategy
 
@@ -126,21 +126,10 @@ def _decode(value: Any) -> Any:
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     """Write `payload` to `path` atomically, keeping the previous file as the fallback."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        torch.save(_encode(payload), f)
-        f.flush()
-        os.fsync(f.fileno())
-    if path.exists():
-        os.replace(path, path.with_name(PREVIOUS))
-    os.replace(tmp, path)
+    encoded = _encode(payload)
+    write_atomic(path, lambda f: torch.save(encoded, f), keep_previous=PREVIOUS)
     if payload.get("config", {}).get("checkpoint_history"):
         _keep(path, int(payload["progress"]["round"]))
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def history_path(run_dir: Path, server_round: int) -> Path:
@@ -151,10 +140,13 @@ def history_path(run_dir: Path, server_round: int) -> Path:
 def _keep(path: Path, server_round: int) -> None:
     """Link the checkpoint just written into the history (replacing an older copy)."""
     kept = history_path(path.parent, server_round)
-    kept.parent.mkdir(exist_ok=True)
+    make_dir(kept.parent)
     tmp = kept.with_name(kept.name + ".tmp")
+    for name in (tmp, kept):
+        if name.is_symlink() or (name.exists() and not name.is_file()):
+            raise NotRegularFile(f"{name} is not a regular file: nothing is written to it")
     tmp.unlink(missing_ok=True)
-    os.link(path, tmp)
+    os.link(path, tmp, follow_symlinks=False)
     os.replace(tmp, kept)
 
 

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, open_dict
 import fl  # noqa: F401  (sets the offline environment before Flower is imported)
 from fl.common.config import CONF_DIR, ConfigError, plain, require, to_run_config
 from fl.common.errors import RunError
-from fl.common.files import read_regular_text
+from fl.common.files import make_dir, read_regular_text, write_atomic
 from fl.run.override_keys import check_override_keys
 from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
 from fl.run.tracking import holds_run, refuse_existing_run
@@ -47,8 +47,8 @@ def _save_overrides(out_dir: Path, *, resume: bool) -> None:
     path = out_dir / OVERRIDES
     if resume and path.exists():
         return  # a resume keeps the command line that started the run
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(list(HydraConfig.get().overrides.task)))
+    make_dir(path.parent)
+    write_atomic(path, yaml.safe_dump(list(HydraConfig.get().overrides.task)))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -161,7 +161,7 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
         load_checkpoint(run_dir / CHECKPOINT, required=("config",))  # before its overrides
         saved_path = run_dir / OVERRIDES
         text = read_regular_text(saved_path) if saved_path.exists() else "[]"
-        saved = run_overrides(yaml.safe_load(text), str(saved_path))
+        saved = run_overrides(yaml.safe_load(text), str(saved_path), _group_options)
     except (RunError, ConfigError, yaml.YAMLError, UnicodeDecodeError) as err:
         raise SystemExit(f"fl-run: resume=latest: {run_dir}: {err}") from None
     own_keys = ("resume", "overwrite")

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from fl.common.files import read_regular_text
+from fl.common.files import read_regular_text, write_atomic
 from fl.run.intervals import (
     ACCURACY,
     DIFFERENCE,
@@ -80,11 +80,29 @@ def load_run(run_dir: Path) -> Run:
 
 
 def find_runs(path: Path) -> list[Path]:
-    """`path` if it is a run directory, else its numbered job directories that hold a run."""
+    """`path` if it is a run directory, else its numbered job directories that hold a run;
+    of a sweep whose `sweep.json` lists the jobs it launched, only those (a folder dropped
+    in beside them is no arm)."""
     if (path / "summary.json").exists():
         return [path]
     jobs = [p.parent for p in path.glob("*/summary.json") if p.parent.name.isdigit()]
+    launched = _launched(path / "sweep.json")
+    if launched is not None:
+        jobs = [j for j in jobs if j.name in launched]
     return sorted(jobs, key=lambda p: int(p.name))
+
+
+def _launched(manifest: Path) -> set[str] | None:
+    """The job folders a sweep's manifest says it launched; None if it names none."""
+    if not manifest.exists():
+        return None
+    try:
+        launched = json.loads(read_regular_text(manifest)).get("launched")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(launched, list) and all(isinstance(n, str) for n in launched):
+        return set(launched)
+    return None
 
 
 def _varying(runs: Sequence[Run]) -> list[list[str]]:
@@ -319,7 +337,7 @@ def compare_runs(
                 f"differences and ratios:\n\n{_paired_table(arms, ref)}"
             )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "comparison.md").write_text(f"# {title}\n\n{text}" if title else text)
+    write_atomic(out_dir / "comparison.md", f"# {title}\n\n{text}" if title else text)
     if not plots:
         return text
     series = dict(zip(labels, (r.rows for r in runs), strict=True))

@@ -11,11 +11,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fl.common.files import write_atomic
 from fl.run.intervals import ACCURACY, interval
 
 __all__ = ["plot_diagnostic", "plot_run", "plot_runs"]
 
 Rows = Sequence[Mapping[str, Any]]
+
+
+def _save(fig: Any, path: Path) -> None:
+    """`fig` as a PNG at `path`, never through a link (fl.common.files)."""
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
 
 
 def _traffic_mb(row: Mapping[str, Any]) -> float:
@@ -50,8 +57,7 @@ def plot_runs(runs: Mapping[str, Sequence[Rows]], path: Path, *, title: str = ""
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_run(rows: Rows, path: Path, *, title: str = "") -> None:
@@ -70,5 +76,4 @@ def plot_diagnostic(runs: Mapping[str, Rows], key: str, path: Path, *, title: st
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

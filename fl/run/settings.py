@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,6 +34,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the client's (clients/optimizers.py)
 MAX_SEED = 2**32 - 1  # scikit-learn's and NumPy's legacy seeds are 32-bit
 FORK_FROM = re.compile(r"[^@]+(@[1-9][0-9]*)?")  # <run_dir>[@<round>]
+CHOICE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")  # a group option: a yaml stem, no path
 OUTPUT_DIR_RULE = (
     "fl-run sets it to the Hydra run directory, so use hydra.run.dir=DIR instead "
     "(only engine=deployment takes an output_dir: an absolute path on the SuperLink's machine)"
@@ -40,11 +42,17 @@ OUTPUT_DIR_RULE = (
 
 
 @lru_cache(maxsize=1)
+def _groups() -> tuple[str, ...]:
+    """The config groups conf/config.yaml's defaults list chooses from."""
+    base = OmegaConf.load(CONF_DIR / "config.yaml")
+    return tuple(str(next(iter(d))).split()[-1] for d in base.defaults if isinstance(d, DictConfig))
+
+
+@lru_cache(maxsize=1)
 def _known_keys() -> tuple[str, ...]:
     """Top-level keys of conf/config.yaml and its config groups: all a run may set."""
     base = OmegaConf.load(CONF_DIR / "config.yaml")
-    groups = [str(next(iter(d))).split()[-1] for d in base.defaults if isinstance(d, DictConfig)]
-    return tuple(sorted({str(k) for k in base if k != "defaults"} | set(groups)))
+    return tuple(sorted({str(k) for k in base if k != "defaults"} | set(_groups())))
 
 
 def check_keys(cfg: DictConfig) -> None:
@@ -133,20 +141,34 @@ def check_optimizer(cfg: DictConfig) -> None:
     check_number(cfg, "eps", 0, strict=True)
 
 
-def run_overrides(saved: object, source: str) -> list[str]:
+def run_overrides(
+    saved: object, source: str, group_options: Callable[[str], Sequence[str] | None]
+) -> list[str]:
     """A run folder's saved command line, checked as data: KEY=VALUE strings whose key is
     one of the run's own (conf/config.yaml's keys and groups). A Hydra setting (`hydra.*`,
     `hydra/...`, a package `@hydra`), a flag or anything else is refused, naming `source`:
-    Hydra would run what such a setting names (a callback's `_target_`)."""
+    Hydra would run what such a setting names (a callback's `_target_`). A group choice
+    (`strategy=NAME`, `system/availability=NAME`) must name one of `group_options(group)`
+    (conf/'s and installed plugins' yaml files) or null: never a path, so a run folder
+    cannot choose which files are composed into the config."""
     if not isinstance(saved, list) or not all(isinstance(o, str) for o in saved):
         raise ConfigError(f"{source}: not a list of overrides")
     known = set(_known_keys())
     for override in saved:
-        key, equals, _ = override.lstrip("+~").partition("=")
+        key, equals, value = override.lstrip("+~").partition("=")
         parts = re.split(r"[./@]", key)
         if not equals or parts[0] not in known or any(p.startswith("hydra") for p in parts):
             raise ConfigError(
                 f"{source}: {override!r} is not an override of the run's own keys; "
                 "a run folder is data, so it is not replayed"
+            )
+        group = key.partition("@")[0]
+        if "/" not in group and ("." in group or group not in _groups()):
+            continue  # a value, not a choice of file
+        options = group_options(group) if CHOICE.fullmatch(group.replace("/", "_")) else None
+        if value != "null" and not (CHOICE.fullmatch(value) and value in (options or ())):
+            raise ConfigError(
+                f"{source}: {override!r} is not one of the options of {group} in conf/ "
+                "(a run folder is data: it does not choose which files are composed)"
             )
     return list(saved)

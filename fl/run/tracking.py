@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl.common.config import check_choice, plain
 from fl.common.errors import RunError
-from fl.common.files import require_regular
+from fl.common.files import open_for_append, require_regular, require_writable, write_atomic
 
 __all__ = [
     "LOGGERS",
@@ -54,6 +54,9 @@ def refuse_existing_run(out_dir: Path, *, resume: bool, overwrite: bool) -> None
     any run in one where a run file is not a regular file (a FIFO, a directory)."""
     for name in RUN_FILES:
         require_regular(out_dir / name)
+        require_writable(out_dir / name)  # a link is never written through, nor followed
+        require_writable(out_dir / f"{name}.tmp")
+    require_writable(out_dir / "run.log")  # Hydra's log: LogFile wrote nothing through it
     if not resume and not overwrite and holds_run(out_dir):
         raise RunError(
             f"{out_dir} already holds a run; pass resume=true to continue it, overwrite=true "
@@ -125,10 +128,10 @@ class RunLog:
         self.out_dir = out_dir
         self.cfg = cfg
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         self.path = out_dir / "metrics.jsonl"
         self.rows = list(rows or [])
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.wandb: Any = None
         if cfg.logger.name == "wandb":
             self.wandb = self._start_wandb()
@@ -153,8 +156,8 @@ class RunLog:
         """Record one round."""
         row = {k: _jsonable(v) for k, v in row.items()}
         self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        with open_for_append(self.path) as f:
+            f.write((json.dumps(row) + "\n").encode())
         if self.wandb is not None:
             self.wandb.log(row, step=row["round"])
 
@@ -163,7 +166,7 @@ class RunLog:
         target, window = self.cfg.get("target_accuracy"), int(self.cfg.get("target_window", 1))
         summary = {**summarize(self.rows, target, window), **(extra or {})}
         summary["evaluated_on"] = self.cfg.get("evaluate_on", "test")  # accuracy's split
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.rows and self.cfg.get("plots", True):
             from fl.run.plots import plot_run  # matplotlib (~1 CPU s): only when plotting
 

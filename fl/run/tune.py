@@ -16,6 +16,7 @@ with the same `--out` resumes: finished studies and runs are not run again.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -28,10 +29,12 @@ import yaml
 from omegaconf import DictConfig
 
 from fl.common.config import ConfigError, compose, plain
-from fl.common.files import read_regular_text
-from fl.run.compare import compare_runs, find_runs
+from fl.common.errors import RunError
+from fl.common.files import make_dir, open_for_append, read_regular_text, write_atomic
+from fl.run.compare import compare_runs
+from fl.run.sweep import launched_runs
 
-__all__ = ["Tuning", "main"]
+__all__ = ["Tuning", "check_report", "main"]
 
 BEST = "best.yaml"  # hydra_plugins.adaptive_fl.optuna_sweeper.BEST (not imported: a plugin)
 
@@ -80,8 +83,8 @@ def _positive(value: Any, where: str) -> int:
 def _fl_run(arguments: Sequence[str], log: Path) -> None:
     """One `fl-run -m` in a child process (its own Hydra, its own launcher); output to `log`."""
     command = [sys.executable, "-m", "fl.run", "-m", *arguments]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as out:
+    make_dir(log.parent)
+    with open_for_append(log) as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     if done.returncode != 0:
         raise SystemExit(f"fl.run.tune: {' '.join(command)} failed; see {log}")
@@ -117,14 +120,73 @@ def tune_arm(spec: Tuning, common: list[str], arm: str, out: Path, jobs: int) ->
             ],
             out / "logs" / f"tune-{arm}.log",
         )
-    report = yaml.safe_load(read_regular_text(best))
-    chosen = report.get("overrides") if isinstance(report, dict) else None
-    # a study's folder is data: what it chose is taken only as values of the tuned keys
-    if not isinstance(chosen, list) or not all(
-        isinstance(o, str) and o.partition("=")[0] in spec.space and "=" in o for o in chosen
-    ):
-        raise SystemExit(f"fl.run.tune: {best}: not a report of a study over {list(spec.space)}")
+    try:
+        return check_report(yaml.safe_load(read_regular_text(best)), spec.space)
+    except (RunError, OSError, ValueError, yaml.YAMLError) as err:
+        raise SystemExit(f"fl.run.tune: {best}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def check_report(report: Any, space: dict[str, str]) -> dict[str, Any]:
+    """A study's `best.yaml`, checked as data: a finite `value` and one `KEY=VALUE` per
+    searched key, each a single plain value inside that key's search space (one of a
+    choice or range, within an interval); never sweep syntax (`range(...)`, `a,b`), never
+    another key. ValueError saying what is wrong."""
+    if not isinstance(report, dict):
+        raise ValueError(f"not a report of a study over {list(space)}")
+    value = report.get("value")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"value: {value!r} is not a finite number")
+    chosen = report.get("overrides")
+    if not isinstance(chosen, list) or not all(isinstance(o, str) for o in chosen):
+        raise ValueError(f"overrides: not a list of KEY=VALUE over {list(space)}")
+    keys = [o.partition("=")[0] for o in chosen]
+    if sorted(keys) != sorted(space):
+        raise ValueError(f"overrides: {chosen} do not set each of {list(space)} once")
+    for override in chosen:
+        key, _, text = override.partition("=")
+        if not _in_space(key, text, space[key]):
+            raise ValueError(f"overrides: {override!r} is not a value of {key}={space[key]}")
     return report
+
+
+def _in_space(key: str, text: str, sweep: str) -> bool:
+    """Whether `text` is one plain value of `key`'s search space `sweep`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep, RangeSweep
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    try:
+        picked = parser.parse_overrides([f"{key}={text}"])[0]
+        searched = parser.parse_overrides([f"{key}={sweep}"])[0]
+    except HydraException:
+        return False
+    value: Any = picked.value()
+    if picked.is_sweep_override() or not isinstance(value, int | float | str | bool):
+        return False
+    space = searched.value()
+    if isinstance(space, IntervalSweep | RangeSweep):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(space, IntervalSweep):
+            return _bound(space.start) <= value <= _bound(space.end)
+        start, stop, step = _bound(space.start), _bound(space.stop), _bound(space.step)
+        inside = start <= value < stop if step > 0 else stop < value <= start
+        steps = (value - start) / step
+        return inside and math.isclose(steps, round(steps))
+    options = list(searched.sweep_iterator()) if searched.is_sweep_override() else [space]
+    return any(type(o) is type(value) and o == value for o in options)
+
+
+def _bound(number: object) -> float:
+    """A bound of a parsed range or interval (Hydra types them Optional)."""
+    if isinstance(number, bool) or not isinstance(number, int | float):
+        raise ValueError(f"the search space has a bound that is no number: {number!r}")
+    return float(number)
 
 
 def run_tuned(
@@ -217,8 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for arm, report in reports.items():
         print(f"fl.run.tune: {arm} tuned, seeds {spec.seeds}, in {out / 'final' / arm}", flush=True)
         run_tuned(spec, common, arm, report["overrides"], out, args.jobs)
-    (out / "tuning.md").write_text(_tuning_table(spec, reports, out))
-    run_dirs = [d for arm in spec.arms for d in find_runs(out / "final" / arm)]
+    write_atomic(out / "tuning.md", _tuning_table(spec, reports, out))
+    run_dirs = [d for arm in spec.arms for d in launched_runs(out / "final" / arm)]
     title = str(cfg.get("experiment_title") or out.name)
     print(compare_runs(run_dirs, out, title, plots=bool(cfg.get("plots", True))))
     print(f"fl.run.tune: tuning.md and comparison.md written to {out}")

@@ -35,6 +35,8 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
+from fl.common.files import write_atomic
+
 if TYPE_CHECKING:  # optuna is imported when a sweep starts, not on every fl-run's plugin scan
     import optuna
     from optuna.distributions import BaseDistribution
@@ -284,7 +286,7 @@ class OptunaSweeper(Sweeper):
             "overrides": [f"{k}={_override_value(v)}" for k, v in best.params.items()],
             "fixed": fixed,
         }
-        (sweep_dir / BEST).write_text(yaml.safe_dump(report, sort_keys=False))
+        write_atomic(sweep_dir / BEST, yaml.safe_dump(report, sort_keys=False))
         log.info(
             "best trial %d: %s = %s with %s",
             best.number,

@@ -21,6 +21,7 @@ import tomli_w  # a dependency of flwr itself, which writes the same file with i
 from omegaconf import DictConfig
 
 from fl.common.config import CONF_DIR
+from fl.common.files import read_regular_text, write_atomic
 
 __all__ = [
     "CONNECTION",
@@ -89,10 +90,10 @@ def flower_home(cfg: DictConfig) -> Iterator[Path]:
     home = Path(user_home) if user_home else Path(tmp.name)  # type: ignore[union-attr]
     try:
         path = home / "config.toml"
-        config = tomllib.loads(path.read_text()) if path.exists() else {}
+        config = tomllib.loads(read_regular_text(path)) if path.exists() else {}
         config.setdefault("superlink", {})[CONNECTION] = flower_connection(cfg)
         home.mkdir(parents=True, exist_ok=True)
-        path.write_text(tomli_w.dumps(config))
+        write_atomic(path, tomli_w.dumps(config))
         yield home
     finally:
         if tmp is not None:
@@ -198,7 +199,7 @@ def submit_to_superlink(cfg: DictConfig) -> None:
         # A TOML file for `-c` carries any characters; the inline form
         # `-c "overrides='...'"` cannot hold a quote of its own kind.
         run_config = Path(tmp) / "run-config.toml"
-        run_config.write_text(tomli_w.dumps({"overrides": overrides}))
+        write_atomic(run_config, tomli_w.dumps({"overrides": overrides}))
         cmd = [_flwr(), "run", str(app), CONNECTION, "-c", str(run_config)]
         if cfg.engine.stream:
             cmd.append("--stream")

@@ -25,6 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.supercore.telemetry import EventType
 from omegaconf import DictConfig
 
+from fl.common.files import write_atomic
 from fl.run.apps import Apps
 from fl.run.console import flower_logs_once
 
@@ -70,7 +71,7 @@ def _app_dir(root: Path, run_config: dict[str, Any], apps: Apps) -> Path:
         "project": {"name": "adaptive-fl", "version": "0.1.0"},
         "tool": {"flwr": {"app": app}},
     }
-    (root / "pyproject.toml").write_text(tomli_w.dumps(pyproject))
+    write_atomic(root / "pyproject.toml", tomli_w.dumps(pyproject))
     return root
 
 
