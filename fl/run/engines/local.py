@@ -35,7 +35,6 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl.run.apps import Apps, CohortClientApp
-from fl.run.console import flower_logs_once
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
 from fl.world.population import PartitionMap
@@ -267,6 +266,8 @@ COHORT_HINT_CLIENTS = 100
 def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) -> None:
     """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes
     (default: the project's ServerApp and ClientApp, as before `apps` was added)."""
+    from fl.run.console import flower_logs_once  # the server's side: tqdm, not on edge clients
+
     apps = apps or Apps.load()
     flower_logs_once()  # a Flower strategy's lines (strategy=flower): once each, not twice
     _freeze_imports()
