@@ -8,6 +8,10 @@ discrete-event simulation in which concurrent transfers share the server's link 
 fairly (algorithms_b §0.3: without a shared link R2SP shows no gain), compute may slow
 down under a background-load trace, and devices may go offline. Between two events every
 rate is constant, so each event time is exact.
+
+Why one module: the clock, its flights, the shared link and the traces it reads are one
+event simulation whose invariants (every rate constant between two events) hold only
+together; its config check sits beside it as every subsystem's does.
 """
 
 from __future__ import annotations
