@@ -1,5 +1,6 @@
 """The gate's deadlines and shares: headers in time, bodies in time, a few connections a peer."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -19,17 +20,20 @@ CONFIG = GateConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def gate() -> Iterator[int]:
+@contextlib.contextmanager
+def serving_gate(config: GateConfig, **ssl: str) -> Iterator[int]:
+    """The gate with `config` on a free loopback port (TLS with `ssl_certfile`/`ssl_keyfile`),
+    in a thread, until the block ends: its port."""
     server = uvicorn.Server(
         uvicorn.Config(
-            make_app(CONFIG),
+            make_app(config),
             host="127.0.0.1",
             port=0,
-            http=guarded_protocol(CONFIG),
+            http=guarded_protocol(config),
             ws="none",
             log_config=None,
             lifespan="on",
+            **ssl,
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -38,9 +42,17 @@ def gate() -> Iterator[int]:
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the gate did not start"
         time.sleep(0.02)
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gate() -> Iterator[int]:
+    with serving_gate(CONFIG) as port:
+        yield port
 
 
 def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:

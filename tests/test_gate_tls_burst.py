@@ -10,52 +10,24 @@ answer kept the address over its share for 30 s, although every connection was c
 import contextlib
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
+from test_gate_limits import CONFIG, serving_gate
 
-from fl.net.gate import GateConfig, guarded_protocol, make_app
 from fl.net.tls import write_bundle
 
-CONFIG = GateConfig(
-    "127.0.0.1:9",  # no SuperLink: these requests never get that far
-    None,
-    header_timeout_s=0.5,
-    body_timeout_s=0.5,
-    max_connections_per_peer=3,
-)
 BURST = 40  # connections from one address, each through a full TLS handshake
 
 
 @pytest.fixture(scope="module")
 def tls_gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
     certs = write_bundle(tmp_path_factory.mktemp("certs"))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            make_app(CONFIG),
-            host="127.0.0.1",
-            port=0,
-            http=guarded_protocol(CONFIG),
-            ws="none",
-            log_config=None,
-            lifespan="on",
-            ssl_certfile=str(certs.server_cert),
-            ssl_keyfile=str(certs.server_key),
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the gate did not start"
-        time.sleep(0.02)
-    yield server.servers[0].sockets[0].getsockname()[1], certs.ca_cert
-    server.should_exit = True
-    thread.join(timeout=10)
+    tls = {"ssl_certfile": str(certs.server_cert), "ssl_keyfile": str(certs.server_key)}
+    with serving_gate(CONFIG, **tls) as port:
+        yield port, certs.ca_cert
 
 
 def _tls(port: int, ca: Path) -> ssl.SSLSocket:
