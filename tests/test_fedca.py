@@ -228,15 +228,19 @@ def test_toggle_trace_is_seeded_order_free_and_bounded():
     assert all(a.multiplier(p, between) == a.multiplier(p, t) for p in range(4))
 
 
+# system=time_varying's device options: log-normal speeds within 5x, fast/slow toggling
+TIME_VARYING = {
+    "speed": 20000.0,
+    "up_mbps": 10.0,
+    "down_mbps": 10.0,
+    "speed_spread": 5.0,
+    "speed_distribution": "lognormal",
+    "speed_trace": "toggle",
+}
+
+
 def test_time_varying_system_wires_lognormal_speeds_and_toggles():
-    options = {
-        "speed": 20000.0,
-        "up_mbps": 10.0,
-        "down_mbps": 10.0,
-        "speed_spread": 5.0,
-        "speed_distribution": "lognormal",
-        "speed_trace": "toggle",
-    }
+    options = TIME_VARYING
     clock = clock_from_config(options, 20, seed=0)
     speeds = [p.speed for p in clock.profiles]
     assert max(speeds) / min(speeds) <= 5.0 and isinstance(clock.speed_trace, ToggleTrace)
@@ -337,14 +341,7 @@ def test_a_client_slowed_mid_round_stops_earlier_than_one_that_was_not():
 
 
 def test_client_clock_follows_its_device_trace_as_the_virtual_clock_charges_it():
-    options = {
-        "speed": 20000.0,
-        "up_mbps": 10.0,
-        "down_mbps": 10.0,
-        "speed_spread": 5.0,
-        "speed_distribution": "lognormal",
-        "speed_trace": "toggle",
-    }
+    options = TIME_VARYING
     slowed_any = False
     for partition in range(4):
         clock = clock_from_config(options, 4, seed=0)
