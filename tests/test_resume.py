@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import fl_run_cmd, python_popen, python_run, read_metrics, run_fl, without_wall_time
@@ -37,6 +38,18 @@ def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
     return len(metrics.read_text().splitlines())
 
 
+def assert_resumes_identically(tmp_path: Path, run: list[str], rounds: int) -> None:
+    """`run` uninterrupted in tmp_path/full, and killed after round 3 then resumed in
+    tmp_path/killed: every round's metrics identical (wall time aside)."""
+    run_fl(tmp_path / "full", *run, fresh=True)  # own hash seed: forked runs share one
+    written = _kill_after_rows(tmp_path / "killed", 3, *run)
+    assert 3 <= written < rounds
+    run_fl(tmp_path / "killed", *run, "resume=true")
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
+    assert [r["round"] for r in resumed] == list(range(1, rounds + 1))
+    assert without_wall_time(resumed) == without_wall_time(full)
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -48,14 +61,7 @@ def _kill_after_rows(run_dir, rows: int, *overrides: str) -> int:
     ids=["fedavg", "apf"],
 )
 def test_killed_run_resumes_to_identical_metrics(tmp_path, strategy):
-    run = [*RUN, *strategy]
-    run_fl(tmp_path / "full", *run, fresh=True)  # own hash seed: forked runs share one
-    written = _kill_after_rows(tmp_path / "killed", 3, *run)
-    assert 3 <= written < 12
-    run_fl(tmp_path / "killed", *run, "resume=true")
-    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
-    assert [r["round"] for r in resumed] == list(range(1, 13))
-    assert without_wall_time(resumed) == without_wall_time(full)
+    assert_resumes_identically(tmp_path, [*RUN, *strategy], rounds=12)
     assert (tmp_path / "killed" / "model.pt").read_bytes() == (
         tmp_path / "full" / "model.pt"
     ).read_bytes()
