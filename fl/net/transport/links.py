@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from flwr.app import Context
 
+from fl.common.text import shown
 from fl.net.transport.control import ControlError, peer_uid, receive, send
 from fl.net.transport.nixl_link import Buffer
 from fl.net.transport.offer import Offer
@@ -180,7 +181,7 @@ def _answer(sock: socket.socket, nbytes: int) -> int:
     if fd is not None:
         os.close(fd)
     reason = answer.get("error", answer) if answer else "it hung up"
-    raise ControlError(f"the bulk agent refused: {str(reason)[:500]}")
+    raise ControlError(f"the bulk agent refused: {shown(reason)}")
 
 
 @contextmanager
