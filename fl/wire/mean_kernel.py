@@ -12,7 +12,7 @@ r = 1, 2, ... in float64, rounded once to float32. The fused multiply-add is spe
 What makes it fast is the traffic: a block of coordinates (`BLOCK`, its float64
 accumulator 16 KiB, in L1) takes four replies per pass, so the accumulator is loaded and
 stored once per four replies instead of once per reply, and the whole model is one call
-(the block loop per reply and tensor was ~1,800 Python-level calls for ten ResNet-18s).
+(Python called a kernel per block, reply and tensor before: 2,870 calls for ten ResNet-18s).
 """
 
 from __future__ import annotations

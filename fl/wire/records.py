@@ -329,7 +329,8 @@ def _npy_array(dtype_name: str, shape: tuple[int, ...], header: bytes, value: np
     known to be the direct form's (a str, a tuple of ints, bytes), so the object is filled
     in as that form leaves it; `tests/test_records_codec.py` checks it is the same object.
     """
-    return npy_array(dtype_name, shape, b"".join((header, value.reshape(-1).view(np.uint8).data)))
+    data = b"".join((header, value.reshape(-1).view(np.uint8).data))  # one copy
+    return npy_array(dtype_name, shape, data)
 
 
 def npy_array(dtype_name: str, shape: tuple[int, ...], data: bytes) -> Array:
