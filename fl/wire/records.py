@@ -31,6 +31,7 @@ __all__ = [
     "arrays_to_vector",
     "dense_views",
     "new_record",
+    "npy_array",
     "numpy_to_array",
     "record_of",
     "required_record",
@@ -328,14 +329,15 @@ def _npy_array(dtype_name: str, shape: tuple[int, ...], header: bytes, value: np
     known to be the direct form's (a str, a tuple of ints, bytes), so the object is filled
     in as that form leaves it; `tests/test_records_codec.py` checks it is the same object.
     """
+    data = b"".join((header, value.reshape(-1).view(np.uint8).data))  # one copy
+    return npy_array(dtype_name, shape, data)
+
+
+def npy_array(dtype_name: str, shape: tuple[int, ...], data: bytes) -> Array:
+    """`Array(dtype_name, shape, NUMPY, data)` for `.npy` bytes we wrote, filled in as
+    Flower's direct form leaves it (see `_npy_array`), without copying `data`."""
     array = object.__new__(Array)
-    array.__dict__.update(
-        _is_dirty=True,
-        dtype=dtype_name,
-        shape=shape,
-        stype=NUMPY,
-        data=b"".join((header, value.reshape(-1).view(np.uint8).data)),  # one copy
-    )
+    array.__dict__.update(_is_dirty=True, dtype=dtype_name, shape=shape, stype=NUMPY, data=data)
     return array
 
 

@@ -9,30 +9,39 @@ result is at most one float32 ulp from the reference (both round a float64 sum t
 float32), and equal to it where the reference's BLAS fuses too (MKL with AVX-512 does; on
 AMD CPUs MKL does not, and the last bit can differ).
 
-Large vectors (ResNet-sized) go through a Numba kernel that converts and accumulates in
-one pass (torch needs a conversion kernel and an add kernel per block and reply, ~1.8×
-slower); small ones stay on torch, so runs with small models never pay Numba's start-up
-(~0.3 s import, ~1 s to compile once per machine, cached after). Both paths give
-identical bits: the kernel contracts `acc + a * x` to the same fused multiply-add.
+Large vectors (ResNet-sized) go through one compiled call for the whole model
+(`fl.wire.mean_kernel`: Numba, four replies a pass over an L1-sized block); small ones stay
+on torch, so runs with small models never pay Numba's start-up (~0.3 s import, ~1 s to
+compile once per machine, cached after). Both paths give identical bits: the kernel's
+spelled-out fused multiply-add is the one torch's vectorised add uses.
 
 Records in, record out (`streamed_record_mean`, what Flower's `aggregate_arrayrecords`
 does): a large float32 model's replies are read in place from their records' buffers
-(checked as `arrays_to_vector` checks them) and never decoded into copies, so each reply's
-bytes are read once, by the kernel; the mean is written out as one record. Every
-coordinate sums the same products in the same order as `streamed_weighted_mean` of the
-decoded vectors: the same bits.
+(checked as `arrays_to_vector` checks them) and never decoded into copies, and the kernel
+writes the mean straight into the `bytes` each output Array will hold (made blank through
+CPython's `PyBytes_FromStringAndSize(NULL, n)` and filled before anything else can see
+them, the one case in which the C API allows writing a bytes object), so each reply's
+bytes are read once and the mean's written once. Every coordinate sums the same products
+in the same order as `streamed_weighted_mean` of the decoded vectors: the same bits.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from fl.wire.records import Layout, arrays_to_vector, dense_views, vector_to_arrays
+from fl.wire.records import (
+    Layout,
+    array_record,
+    arrays_to_vector,
+    dense_views,
+    npy_array,
+    vector_to_arrays,
+)
 
 __all__ = ["BLOCK", "COMPILED_MIN", "streamed_record_mean", "streamed_weighted_mean"]
 
@@ -49,7 +58,10 @@ def streamed_weighted_mean(vectors: Sequence[torch.Tensor], weights: torch.Tenso
         raise ValueError("vectors must be 1-D and of equal length")
     scale = (weights.double() / weights.double().sum()).tolist()
     if size >= COMPILED_MIN and all(_plain_float32(v) for v in vectors):
-        return torch.from_numpy(_compiled_mean([v.numpy() for v in vectors], scale))
+        arrays = [v.numpy() for v in vectors]  # held: the kernel reads them by address
+        out = np.empty(size, dtype=np.float32)
+        _compiled_mean(np.array([out.ctypes.data]), [arrays], [size], scale)
+        return torch.from_numpy(out)
     return _torch_mean(vectors, scale)
 
 
@@ -64,10 +76,18 @@ def streamed_record_mean(
         return vector_to_arrays(streamed_weighted_mean(vectors, weights), layout)
     views = [dense_views(record, layout) for record in records]  # every reply checked first
     scale = (weights.double() / weights.double().sum()).tolist()
-    out = np.empty(layout.numel, dtype=np.float32)
-    for t, wire in enumerate(layout.wire):
-        _compiled_mean([v[t] for v in views], scale, out[wire.start : wire.stop])
-    return vector_to_arrays(torch.from_numpy(out), layout)
+    blanks = [_blank_bytes(len(w.header) + (w.stop - w.start) * 4) for w in layout.wire]
+    outputs = []
+    for (_, address), wire in zip(blanks, layout.wire, strict=True):
+        ctypes.memmove(address, wire.header, len(wire.header))
+        outputs.append(address + len(wire.header))  # the values follow the header
+    by_tensor = [[view[t] for view in views] for t in range(len(layout.wire))]
+    _compiled_mean(np.array(outputs), by_tensor, [w.stop - w.start for w in layout.wire], scale)
+    arrays = {
+        w.name: npy_array(w.dtype_name, w.shape, data)
+        for (data, _), w in zip(blanks, layout.wire, strict=True)
+    }
+    return array_record(arrays)
 
 
 def _plain_float32(vector: torch.Tensor) -> bool:
@@ -96,38 +116,35 @@ def _torch_mean(vectors: Sequence[torch.Tensor], scale: list[float]) -> torch.Te
 
 
 def _compiled_mean(
-    arrays: Sequence[np.ndarray], scale: list[float], out: np.ndarray | None = None
-) -> np.ndarray:
-    scaled_into, multiply_add = _kernels()
-    size = arrays[0].size
-    out = np.empty(size, dtype=np.float32) if out is None else out
-    acc = np.empty(min(BLOCK, size), dtype=np.float64)
-    for start in range(0, size, BLOCK):
-        stop = min(start + BLOCK, size)
-        total = acc[: stop - start]
-        scaled_into(total, arrays[0][start:stop], scale[0])
-        for factor, array in zip(scale[1:], arrays[1:], strict=True):
-            multiply_add(total, array[start:stop], factor)
-        out[start:stop] = total
-    return out
+    outputs: np.ndarray, tensors: list[list[np.ndarray]], sizes: list[int], scale: list[float]
+) -> None:
+    """Write the mean of each `tensors[t]` (one float32 array a reply, `sizes[t]` long) to
+    the float32 buffer at address `outputs[t]`, in one compiled call."""
+    from fl.wire.mean_kernel import mean_into  # Numba: only models this large pay for it
+
+    for group, size in zip(tensors, sizes, strict=True):  # the kernel trusts these addresses
+        if any(a.dtype != np.float32 or a.size != size or not a.flags.c_contiguous for a in group):
+            raise ValueError("the compiled mean takes contiguous float32 arrays of equal size")
+    inputs = np.array([[a.ctypes.data for a in group] for group in tensors], dtype=np.intp)
+    mean_into(outputs.astype(np.intp), inputs, np.array(sizes, dtype=np.intp), np.array(scale))
 
 
-@functools.cache
-def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
-    """The two Numba kernels, compiled (or loaded from Numba's cache) on first use."""
-    import numba
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
-    # "contract" lets LLVM fuse a * x + acc into one FMA, as torch's vectorised add does.
-    jit = numba.njit(cache=True, nogil=True, fastmath={"contract"})
 
-    @jit
-    def scaled_into(acc: np.ndarray, x: np.ndarray, a: float) -> None:
-        for j in range(acc.shape[0]):
-            acc[j] = a * np.float64(x[j])
+def _blank_bytes(size: int) -> tuple[bytes, int]:
+    """A new, unshared `bytes` of `size` unwritten bytes and the address of its first.
 
-    @jit
-    def multiply_add(acc: np.ndarray, x: np.ndarray, a: float) -> None:
-        for j in range(acc.shape[0]):
-            acc[j] += a * np.float64(x[j])
-
-    return scaled_into, multiply_add
+    The C API's one sanctioned way to make a bytes object's contents in place: a fresh
+    object from `PyBytes_FromStringAndSize(NULL, size)` may be written through
+    `PyBytes_AsString` until it is shared. Only our caller holds it, and it writes every
+    byte before publishing the object. (Size 0 is CPython's shared empty bytes; a .npy
+    payload is never that short.)
+    """
+    if size < 2:
+        raise ValueError(f"a .npy payload of {size} bytes")
+    data = _new_bytes(None, size)
+    return data, _bytes_address(data)
