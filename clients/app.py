@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -41,7 +42,8 @@ from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime, load_instruction
 from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import CodecError, decode, encode_dense, payload_traffic
-from fl.wire.contract import echo, mismatch_reply, unreadable
+from fl.wire.cohort_reply import pack_cohort
+from fl.wire.contract import NONCE_KEY, echo, mismatch_reply, unreadable
 from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
@@ -358,9 +360,13 @@ def _no_metrics() -> dict[str, Any]:
 
 
 @app.cohort()
-def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
+def train_cohort(pairs: Sequence[tuple[Message, Context]], batched: bool = False) -> CohortReplies:
     """Train the pull's train messages as one cohort (`clients.cohort`) where the strategy's
     client half is cohort-safe and the run allows it; the rest go the per-client path.
+
+    `batched` (the engine's choice, where the server takes cohort replies): the members
+    whose hooks are `_plain` answer together in one reply (`fl.wire.cohort_reply`, their
+    stacked rows and metric columns) instead of one Message each.
 
     Each client is prepared as alone (its hooks' `load` and `begin` on this thread's
     model, its own seed, data and per-round settings), its starting weights are read, the
@@ -401,7 +407,15 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     # client of the round into an error reply
     cohort = [member for *_, member in members]
     trained, results = train_cohort_of(setup.task.model(), layout, cohort, setup.task.device)
-    for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
+    together: list[int] = []  # positions in `members` answered by the one cohort reply
+    if batched and all(wire.dtype == np.float32 for wire in layout.wire):
+        together = [k for k, (_, prepared, _) in enumerate(members) if prepared.start is not None]
+    batch = _batch_reply(pairs, members, together, trained, results) if together else None
+    answered = set(together)
+    outcomes = zip(members, trained, results, strict=True)
+    for k, ((i, prepared, _), row, result) in enumerate(outcomes):
+        if k in answered:
+            continue
         msg, context = pairs[i]
         try:
             if prepared.start is not None:  # `_plain` hooks: the row is the reply
@@ -412,7 +426,50 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
         except Exception as err:
             replies[i] = err
     name = setup.spec.name
-    return CohortReplies(replies, f"cohort: {len(members)} clients of {name} in one batch")
+    path = f"cohort: {len(members)} clients of {name} in one batch"
+    if batch is None:
+        return CohortReplies(replies, path)
+    in_batch = [members[k][0] for k in together]
+    return CohortReplies(replies, f"{path}, {len(in_batch)} in one reply", batch, in_batch)
+
+
+def _batch_reply(
+    pairs: Sequence[tuple[Message, Context]],
+    members: list[tuple[int, Round, Member]],
+    together: list[int],
+    trained: torch.Tensor,
+    results: list[LocalResult],
+) -> RecordDict:
+    """The one reply of the `together` members (`_plain` hooks): their trained rows as one
+    stacked array and `finish_round`'s metrics as columns (`fl.wire.cohort_reply`); each
+    member's optimizer state saved to its own Context as `finish_round` saves it."""
+    columns: dict[str, list[Any]] = {
+        "num-examples": [],
+        "train-loss": [],
+        "steps": [],
+        "samples": [],
+        "partition-id": [],
+    }
+    nonces: list[int] = []
+    ids: list[int] = []
+    for k in together:
+        i, prepared, _ = members[k]
+        msg, context = pairs[i]
+        if prepared.memory is not None:
+            prepared.memory.save(context.state)
+        result = results[k]
+        columns["num-examples"].append(len(prepared.data[1]))
+        columns["train-loss"].append(float(result.mean_loss))
+        columns["steps"].append(result.steps)
+        columns["samples"].append(result.samples)
+        columns["partition-id"].append(prepared.partition)
+        nonces.extend(echo(prepared.config).values())
+        ids.append(msg.metadata.dst_node_id)
+    if nonces and len(nonces) == len(ids):
+        columns[NONCE_KEY] = nonces
+    index = torch.tensor(together, dtype=torch.long)
+    rows = trained if len(together) == len(trained) else trained.index_select(0, index)
+    return pack_cohort(rows, ids, columns)
 
 
 @app.evaluate()
