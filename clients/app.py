@@ -10,6 +10,7 @@ an error reply naming both (`fl.wire.contract`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -228,9 +229,21 @@ def prepare_round(
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
-    numel = sum(p.numel() for p in model.parameters())
-    memory = OptimizerState.load(context.state, settings.optimizer, numel)
+    memory = OptimizerState.load(context.state, settings.optimizer, _parameters(model))
     return Round(setup, config, model, hooks, settings, partition, data, memory=memory, start=start)
+
+
+# a thread's reusable model -> its parameter count (weak: a finished run's models go)
+_PARAMETERS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _parameters(model: torch.nn.Module) -> int:
+    """Scalars in `model`'s parameters, counted once per model instance: the task's model
+    is reused for every client of its thread (`Task.model`), its shapes never change."""
+    count = _PARAMETERS.get(model)
+    if count is None:
+        count = _PARAMETERS[model] = sum(p.numel() for p in model.parameters())
+    return count
 
 
 def _plain(hooks: ClientHooks) -> bool:
