@@ -234,3 +234,16 @@ def test_parse_checks_the_reply_against_the_model_and_the_asked_nodes():
         parse_cohort(content, LAYOUT.numel, {7})
     with pytest.raises(ValueError, match="no 'node-ids' list"):
         parse_cohort(RecordDict({COHORT: ConfigRecord()}), LAYOUT.numel, {7, 9})
+
+
+def test_an_extended_record_is_the_record_new_record_makes():
+    from fl.wire.records import extended_record, new_record
+
+    shared = new_record(ConfigRecord, {"a": 1, "server-round": 2, "lr": 0.1})
+    items = {NONCE_KEY: 7, "lr": 0.5, "speed": [1.0, 2.0]}
+    made = extended_record(shared, items)
+    expected = ConfigRecord({**shared, **items})
+    assert list(made.items()) == list(expected.items()) and type(made) is ConfigRecord
+    assert dict(shared) == {"a": 1, "server-round": 2, "lr": 0.1}  # the shared one unchanged
+    with pytest.raises(TypeError):
+        extended_record(shared, {"bad": object()})

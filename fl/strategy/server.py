@@ -34,7 +34,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fl.common.checkpointable import check_state_kind, check_state_values
-from fl.common.seeding import derive_seed
 from fl.common.text import shown
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
@@ -51,7 +50,7 @@ from fl.strategy.updates import (
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
 from fl.wire.cohort_reply import cohort_node_ids, is_cohort_reply, parse_cohort
 from fl.wire.contract import CONTRACT_MISMATCH, NONCE_KEY, check_reply_error, stamp
-from fl.wire.records import Layout, new_record, record_of, vector_to_arrays
+from fl.wire.records import Layout, extended_record, new_record, record_of, vector_to_arrays
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
 
@@ -250,17 +249,24 @@ class ServerStrategy(FedAvg):
             self.stats, self._stats_round = RoundStats(), server_round
         sent_before = len(self.stats.sent)
         self.stats.sent.extend(chosen)
+        shared = new_record(  # every node's keys, checked once for the exchange
+            ConfigRecord,
+            {
+                **config,
+                **(stamp(self.strategy_name) if self.strategy_name else {}),
+                "server-round": server_round,
+            },
+        )
+        # each instruction's nonce: its reply must echo it (fl.wire.contract); drawn for
+        # the exchange at once, one a node, in selection order
+        draw = np.random.default_rng([self.seed, server_round, sent_before, 0x0CE])
+        nonces = draw.integers(0, 2**32, size=len(chosen)).tolist()
         messages = []
-        for index, node_id in enumerate(chosen, start=sent_before):
-            # the instruction's nonce: its reply must echo it (fl.wire.contract)
-            nonce = derive_seed(self.seed, server_round, node_id, index, 0x0CE)
+        for node_id, nonce in zip(chosen, nonces, strict=True):
             self._nonces[node_id] = nonce
-            node_config = new_record(
-                ConfigRecord,
+            node_config = extended_record(
+                shared,
                 {
-                    **config,
-                    **(stamp(self.strategy_name) if self.strategy_name else {}),
-                    "server-round": server_round,
                     NONCE_KEY: nonce,
                     **self.extra_config(node_id),
                     **self.train_config(server_round, node_id),
