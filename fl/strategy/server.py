@@ -494,11 +494,12 @@ class ServerStrategy(FedAvg):
         # rows near the bound (or not finite) get their own row's norm, as a lone reply
         # would: the batched sum may differ from it in the last bits
         screen = self.max_update_norm * (1 - 1e-4)
+        row_views, delta_views = rows.unbind(0), deltas.unbind(0)
         for k, node in enumerate(landed):
             metrics = {key: column[position[node]] for key, column in batch.metrics.items()}
             try:
                 num_examples = self._checked_metrics(node, metrics)
-                vector, delta = rows[k], deltas[k]
+                vector, delta = row_views[k], delta_views[k]
                 if not (math.isfinite(norms[k]) and norms[k] <= screen):
                     norm = float(torch.linalg.vector_norm(delta))
                     vector, delta = self._within_norm(node, bases[k], vector, delta, norm)
