@@ -192,7 +192,7 @@ def _malformed(kind: str, sent: list[Message]) -> Message:
     if kind == "wrong-n":
         rows = rows[:-1]
         content = pack_cohort(rows, ids[:-1], {k: v[:-1] for k, v in columns.items()})
-        content[COHORT] = ConfigRecord({"node-ids": ids})  # claims one more member
+        content[COHORT] = ConfigRecord({"node-ids": [str(n) for n in ids]})  # one more
     elif kind == "wrong-d":
         content = pack_cohort(rows[:, :-1].contiguous(), ids, columns)
     elif kind == "unknown-id":
@@ -234,6 +234,13 @@ def test_parse_checks_the_reply_against_the_model_and_the_asked_nodes():
         parse_cohort(content, LAYOUT.numel, {7})
     with pytest.raises(ValueError, match="no 'node-ids' list"):
         parse_cohort(RecordDict({COHORT: ConfigRecord()}), LAYOUT.numel, {7, 9})
+    for bad in (["7", "-9"], ["7", "9.0"], ["7", " 9"]):
+        content[COHORT] = ConfigRecord({"node-ids": bad})
+        with pytest.raises(ValueError, match="not decimal strings"):
+            parse_cohort(content, LAYOUT.numel, {7, 9})
+    big = 2**64 - 1  # a uint64 node id travels as text
+    content = pack_cohort(rows, [big, 9], {"num-examples": [1, 2]})
+    assert parse_cohort(content, LAYOUT.numel, {big, 9}).node_ids == [big, 9]
 
 
 def test_an_extended_record_is_the_record_new_record_makes():

@@ -8,7 +8,8 @@ the cohort answers with one Message:
 - `cohort-rows`: an ArrayRecord with one Array `rows`, the N x D rows (float32);
 - `cohort-metrics`: a MetricRecord of lists, one entry per member, in member order
   (`num-examples`, `train-loss`, `steps`, `samples`, `partition-id`, the echoed nonce);
-- `cohort`: a ConfigRecord with `node-ids`, the member nodes in the same order.
+- `cohort`: a ConfigRecord with `node-ids`, the member nodes in the same order (decimal
+  strings: a node id is a uint64, which a ConfigRecord's signed integers cannot hold).
 
 Everything in it is untrusted: `parse_cohort` checks the shapes, counts, ids and list
 types against what the server knows (the model's width, the nodes it asked) and raises
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ def pack_cohort(
         raise ValueError(f"cohort rows {tuple(rows.shape)} {rows.dtype} for {len(node_ids)} nodes")
     array = numpy_to_array(np.ascontiguousarray(rows.cpu().numpy()))
     columns = new_record(MetricRecord, {k: list(v) for k, v in metrics.items()})
-    ids = new_record(ConfigRecord, {IDS: [int(n) for n in node_ids]})
+    ids = new_record(ConfigRecord, {IDS: [str(int(n)) for n in node_ids]})  # uint64: text
     arrays = new_record(ArrayRecord, {ROWS: array})
     return new_record(RecordDict, {COHORT_ROWS: arrays, COHORT_METRICS: columns, COHORT: ids})
 
@@ -71,19 +72,20 @@ def cohort_node_ids(content: RecordDict, asked: Collection[int]) -> list[int]:
     """The member nodes a cohort reply names, checked: a list of distinct ints, each a
     node that was asked (`asked`), at most `len(asked)` of them; ValueError otherwise."""
     record = record_of(content, COHORT, ConfigRecord)
-    ids = record.get(IDS) if record is not None else None
-    if not isinstance(ids, list) or not ids:
+    listed = record.get(IDS) if record is not None else None
+    if not isinstance(listed, list) or not listed:
         raise ValueError("cohort reply: no 'node-ids' list")
-    if len(ids) > len(asked):
-        raise ValueError(f"cohort reply names {len(ids)} nodes, {len(asked)} were asked")
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in ids):
-        raise ValueError("cohort reply: node ids are not integers")
+    if len(listed) > len(asked):
+        raise ValueError(f"cohort reply names {len(listed)} nodes, {len(asked)} were asked")
+    if not all(isinstance(n, str) and n.isdecimal() and n.isascii() for n in listed):
+        raise ValueError("cohort reply: node ids are not decimal strings")
+    ids = [int(n) for n in listed]
     if len(set(ids)) != len(ids):
         raise ValueError("cohort reply names a node twice")
     unknown = next((n for n in ids if n not in asked), None)
     if unknown is not None:
         raise ValueError(f"cohort reply names node {unknown!r}, which was not asked")
-    return cast(list[int], ids)
+    return ids
 
 
 def member_traffic(content: RecordDict, members: int) -> Traffic:
