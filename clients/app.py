@@ -38,6 +38,7 @@ from fl.run.engines.carriers import (
     member_states,
     open_envelope,
     seal_replies,
+    wants_one_reply,
 )
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime, load_instruction
@@ -333,9 +334,13 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
     members = open_envelope(envelope)
     states = member_states(context)
     pairs = [(member.message, member_context(context, member, states)) for member in members]
-    outcome = train_cohort(pairs)
+    outcome = train_cohort(pairs, wants_one_reply(envelope))
+    answered = set(outcome.in_batch)  # in the one cohort reply, where there is one
     replies: list[Message | None] = []
-    for (msg, member), reply in zip(pairs, outcome.replies, strict=True):
+    for j, ((msg, member), reply) in enumerate(zip(pairs, outcome.replies, strict=True)):
+        if j in answered:
+            replies.append(None)
+            continue
         if reply is None:
             try:
                 reply = train_message(msg, member, train_in_process)
@@ -348,7 +353,7 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
             )
         replies.append(reply)
     keep_member_states(context, states)
-    return seal_replies(envelope, replies, outcome.path)
+    return seal_replies(envelope, replies, outcome.path, outcome.batch)
 
 
 def _cohort_refusal(pairs: Sequence[tuple[Message, Context]]) -> str | None:

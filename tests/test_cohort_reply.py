@@ -5,6 +5,7 @@ rejected without touching the model."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 from pathlib import Path
@@ -84,6 +85,42 @@ def test_a_member_that_crashes_fails_alone_and_the_round_goes_on(tmp_path, monke
     rows, grid = _run(tmp_path, "crash", "rounds=1", cohort_replies=True)
     assert grid.cohort_path.endswith("7 in one reply")
     assert rows[0]["failed"] == 1 and rows[0]["replies"] == 7 and rows[0]["rejected"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedsu"])  # fedsu: members reply alone
+def test_carriers_answer_with_one_cohort_reply_and_the_same_numbers(
+    tmp_path, monkeypatch, caplog, strategy
+):
+    from fl.run.engines import carriers
+
+    sim = ("engine=flower-sim", "engine.cohort=auto", "rounds=2", "progress=false")
+    common = (*sim, "plots=false", "num_clients=12", "clients_per_round=9", f"strategy={strategy}")
+    with caplog.at_level(logging.INFO, logger=carriers.__name__):
+        joint, _ = train_in_process(tmp_path / "joint", *common)
+    monkeypatch.setattr(carriers, "takes_cohort_replies", lambda cfg: False)
+    members, _ = train_in_process(tmp_path / "members", *common)
+    if strategy == "fedavg":
+        assert "in one reply" in caplog.text  # each carrier: its members in one reply
+    else:
+        assert "in one reply" not in caplog.text
+    assert without_wall_time(members) == without_wall_time(joint)
+    assert [r["replies"] for r in joint] == [9, 9]
+
+
+def test_a_cohort_reply_naming_a_node_twice_is_dropped_by_the_loop(tmp_path, monkeypatch, caplog):
+    import clients.app
+
+    real = clients.app.pack_cohort
+
+    def twice(rows: torch.Tensor, ids: list[int], metrics: Any) -> RecordDict:
+        return real(rows, [*ids[:-1], ids[0]], metrics)
+
+    monkeypatch.setattr(clients.app, "pack_cohort", twice)
+    with caplog.at_level(logging.WARNING):
+        rows, _ = _run(tmp_path, "twice", "rounds=1", cohort_replies=True)
+    assert "cohort reply dropped: cohort reply names a node twice" in caplog.text
+    assert rows[0]["replies"] == 0 and rows[0]["missing"] == 8
+    assert rows[0]["aggregation_skipped"] == 0 and rows[0]["bytes_up"] == 0  # nothing landed
 
 
 def test_the_engine_asks_for_one_reply_only_where_the_loop_takes_it():

@@ -35,10 +35,9 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl.run.apps import SERVER_APP, Apps, CohortClientApp
+from fl.run.engines.carriers import takes_cohort_replies
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
-from fl.strategy.registry import get_strategy
-from fl.strategy.server import ServerStrategy
 from fl.world.population import PartitionMap
 
 __all__ = ["SERVER_NODE_ID", "LocalGrid", "run_local"]
@@ -323,23 +322,9 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
 
 
 def _takes_cohort_replies(cfg: Any, apps: Apps) -> bool:
-    """Whether the run's server takes a cohort's one reply (`fl.wire.cohort_reply`): our
-    ServerApp's round loop, `sync` rounds that drop late replies on the virtual clock (no
-    reply outlives its round, so none is held or checkpointed in flight), no privacy
-    mechanism, inline transport, and a server half that decodes replies and times their
-    uploads as `ServerStrategy` does. Elsewhere every member replies on its own."""
-    loop = cfg.loop
-    if apps.server_ref != SERVER_APP or cfg.privacy.name != "none":
-        return False
-    if cfg.get("transport") is not None and cfg.transport.get("name", "inline") != "inline":
-        return False
-    if loop.kind != "sync" or loop.late != "drop" or loop.get("arrival") not in (None, "virtual"):
-        return False
-    server = get_strategy(str(cfg.strategy.name)).server
-    return all(
-        getattr(server, name) is getattr(ServerStrategy, name)
-        for name in ("decode_reply", "reply_parts", "upload_parts")
-    )
+    """Whether the run's server takes a cohort's one reply: our ServerApp's round loop, in
+    the runs `carriers.takes_cohort_replies` names."""
+    return apps.server_ref == SERVER_APP and takes_cohort_replies(cfg)
 
 
 @functools.cache
