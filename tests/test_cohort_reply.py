@@ -69,6 +69,15 @@ def test_every_sync_strategy_runs_the_same_with_one_reply(tmp_path, strategy):
     assert without_wall_time(members) == without_wall_time(joint)
 
 
+def test_members_that_miss_the_deadline_are_left_out_as_their_own_replies_would_be(tmp_path):
+    slow = ("system=heterogeneous", "loop.deadline_s=1.5", "rounds=2")
+    members, _ = _run(tmp_path, "members", *slow)
+    joint, grid = _run(tmp_path, "joint", *slow, cohort_replies=True)
+    assert grid.cohort_path.endswith("in one reply")
+    assert 0 < sum(r["missing"] for r in joint) < 16  # some members landed, some did not
+    assert without_wall_time(members) == without_wall_time(joint)
+
+
 def test_a_member_that_crashes_fails_alone_and_the_round_goes_on(tmp_path, monkeypatch):
     import clients.app
 

@@ -473,6 +473,8 @@ class ServerStrategy(FedAvg):
             log.warning("rejected cohort reply: %s", shown(err))
             return 0
         landed = [n for n in ids if not self.reply_info or n in self.reply_info]
+        if not landed:  # (the loop hands a reply on only where a member of it landed)
+            return 0
         self.stats.delivered.extend(landed)
         try:
             if type(self).decode_reply is not ServerStrategy.decode_reply:
