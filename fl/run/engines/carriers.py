@@ -5,7 +5,9 @@ Flower's simulation hands each Ray actor one message for one node. With
 envelopes, one per carrier node; the carrier's ClientApp trains its members as one cohort
 (`clients.app.carry_cohort`) and answers with every member's reply inside its own.
 `CarrierGrid` opens those replies into the members' own, as if each node had answered,
-so the round loop, the virtual clock and the byte counts never see an envelope.
+so the round loop, the virtual clock and the byte counts never see an envelope. Where
+the loop takes it (`takes_cohort_replies`), the carrier answers its plain members with
+one cohort reply (`fl.wire.cohort_reply`) under `batch/`, opened as that one Message.
 
 A member's `Context.state` lives with its carrier: partition p always travels with the
 node holding partition p mod `cohorts`, which keeps each member's state under the
