@@ -10,10 +10,12 @@ an error reply naming both (`fl.wire.contract`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -36,12 +38,14 @@ from fl.run.engines.carriers import (
     member_states,
     open_envelope,
     seal_replies,
+    wants_one_reply,
 )
 from fl.run.faults import fault_mod, injects_faults
 from fl.strategy.client import ClientHooks, ClientTime, load_instruction
 from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import CodecError, decode, encode_dense, payload_traffic
-from fl.wire.contract import echo, mismatch_reply, unreadable
+from fl.wire.cohort_reply import pack_cohort
+from fl.wire.contract import NONCE_KEY, echo, mismatch_reply, unreadable
 from fl.wire.records import new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
@@ -226,9 +230,21 @@ def prepare_round(
     seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
-    numel = sum(p.numel() for p in model.parameters())
-    memory = OptimizerState.load(context.state, settings.optimizer, numel)
+    memory = OptimizerState.load(context.state, settings.optimizer, _parameters(model))
     return Round(setup, config, model, hooks, settings, partition, data, memory=memory, start=start)
+
+
+# a thread's reusable model -> its parameter count (weak: a finished run's models go)
+_PARAMETERS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _parameters(model: torch.nn.Module) -> int:
+    """Scalars in `model`'s parameters, counted once per model instance: the task's model
+    is reused for every client of its thread (`Task.model`), its shapes never change."""
+    count = _PARAMETERS.get(model)
+    if count is None:
+        count = _PARAMETERS[model] = sum(p.numel() for p in model.parameters())
+    return count
 
 
 def _plain(hooks: ClientHooks) -> bool:
@@ -318,9 +334,13 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
     members = open_envelope(envelope)
     states = member_states(context)
     pairs = [(member.message, member_context(context, member, states)) for member in members]
-    outcome = train_cohort(pairs)
+    outcome = train_cohort(pairs, wants_one_reply(envelope))
+    answered = set(outcome.in_batch)  # in the one cohort reply, where there is one
     replies: list[Message | None] = []
-    for (msg, member), reply in zip(pairs, outcome.replies, strict=True):
+    for j, ((msg, member), reply) in enumerate(zip(pairs, outcome.replies, strict=True)):
+        if j in answered:
+            replies.append(None)
+            continue
         if reply is None:
             try:
                 reply = train_message(msg, member, train_in_process)
@@ -333,7 +353,7 @@ def carry_cohort(envelope: Message, context: Context) -> Message:
             )
         replies.append(reply)
     keep_member_states(context, states)
-    return seal_replies(envelope, replies, outcome.path)
+    return seal_replies(envelope, replies, outcome.path, outcome.batch)
 
 
 def _cohort_refusal(pairs: Sequence[tuple[Message, Context]]) -> str | None:
@@ -358,9 +378,13 @@ def _no_metrics() -> dict[str, Any]:
 
 
 @app.cohort()
-def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
+def train_cohort(pairs: Sequence[tuple[Message, Context]], batched: bool = False) -> CohortReplies:
     """Train the pull's train messages as one cohort (`clients.cohort`) where the strategy's
     client half is cohort-safe and the run allows it; the rest go the per-client path.
+
+    `batched` (the engine's choice, where the server takes cohort replies): the members
+    whose hooks are `_plain` answer together in one reply (`fl.wire.cohort_reply`, their
+    stacked rows and metric columns) instead of one Message each.
 
     Each client is prepared as alone (its hooks' `load` and `begin` on this thread's
     model, its own seed, data and per-round settings), its starting weights are read, the
@@ -401,7 +425,15 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
     # client of the round into an error reply
     cohort = [member for *_, member in members]
     trained, results = train_cohort_of(setup.task.model(), layout, cohort, setup.task.device)
-    for (i, prepared, _), row, result in zip(members, trained, results, strict=True):
+    together: list[int] = []  # positions in `members` answered by the one cohort reply
+    if batched and all(wire.dtype == np.float32 for wire in layout.wire):
+        together = [k for k, (_, prepared, _) in enumerate(members) if prepared.start is not None]
+    batch = _batch_reply(pairs, members, together, trained, results) if together else None
+    answered = set(together)
+    outcomes = zip(members, trained, results, strict=True)
+    for k, ((i, prepared, _), row, result) in enumerate(outcomes):
+        if k in answered:
+            continue
         msg, context = pairs[i]
         try:
             if prepared.start is not None:  # `_plain` hooks: the row is the reply
@@ -412,7 +444,50 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]]) -> CohortReplies:
         except Exception as err:
             replies[i] = err
     name = setup.spec.name
-    return CohortReplies(replies, f"cohort: {len(members)} clients of {name} in one batch")
+    path = f"cohort: {len(members)} clients of {name} in one batch"
+    if batch is None:
+        return CohortReplies(replies, path)
+    in_batch = [members[k][0] for k in together]
+    return CohortReplies(replies, f"{path}, {len(in_batch)} in one reply", batch, in_batch)
+
+
+def _batch_reply(
+    pairs: Sequence[tuple[Message, Context]],
+    members: list[tuple[int, Round, Member]],
+    together: list[int],
+    trained: torch.Tensor,
+    results: list[LocalResult],
+) -> RecordDict:
+    """The one reply of the `together` members (`_plain` hooks): their trained rows as one
+    stacked array and `finish_round`'s metrics as columns (`fl.wire.cohort_reply`); each
+    member's optimizer state saved to its own Context as `finish_round` saves it."""
+    columns: dict[str, list[Any]] = {
+        "num-examples": [],
+        "train-loss": [],
+        "steps": [],
+        "samples": [],
+        "partition-id": [],
+    }
+    nonces: list[int] = []
+    ids: list[int] = []
+    for k in together:
+        i, prepared, _ = members[k]
+        msg, context = pairs[i]
+        if prepared.memory is not None:
+            prepared.memory.save(context.state)
+        result = results[k]
+        columns["num-examples"].append(len(prepared.data[1]))
+        columns["train-loss"].append(float(result.mean_loss))
+        columns["steps"].append(result.steps)
+        columns["samples"].append(result.samples)
+        columns["partition-id"].append(prepared.partition)
+        nonces.extend(echo(prepared.config).values())
+        ids.append(msg.metadata.dst_node_id)
+    if nonces and len(nonces) == len(ids):
+        columns[NONCE_KEY] = nonces
+    index = torch.tensor(together, dtype=torch.long)
+    rows = trained if len(together) == len(trained) else trained.index_select(0, index)
+    return pack_cohort(rows, ids, columns)
 
 
 @app.evaluate()

@@ -91,8 +91,10 @@ class OptimizerState:
     @classmethod
     def load(cls, state: RecordDict, optimizer: str, numel: int) -> OptimizerState | None:
         """The memory kept in `state`, checked as data; fresh where there is none."""
+        if not MOMENTS[optimizer]:  # plain SGD keeps nothing: the state is not read
+            return cls.fresh(optimizer, numel)
         record = state.array_records.get(STATE_KEY)
-        if record is None or not MOMENTS[optimizer]:
+        if record is None:
             return cls.fresh(optimizer, numel)
         try:
             return cls._checked(record, optimizer, numel)

@@ -212,8 +212,8 @@ def test_a_malformed_reply_fails_every_member_it_carried(tamper):
 def test_a_failed_carrier_fails_its_members_and_the_round_goes_on(tmp_path, monkeypatch):
     real_seal = carriers.seal_replies
 
-    def corrupt(envelope: Message, replies: Any, path: str) -> Message:
-        reply = real_seal(envelope, replies, path)
+    def corrupt(envelope: Message, replies: Any, path: str, *batch: Any) -> Message:
+        reply = real_seal(envelope, replies, path, *batch)
         if envelope.metadata.dst_node_id == min(_carriers):  # one carrier answers garbage
             reply.content["99/metrics"] = ConfigRecord({"loss": 0.0})
         return reply

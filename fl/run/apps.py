@@ -9,10 +9,10 @@ the engine it starts, so no engine, and nothing else in `fl`, imports `server/` 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from flwr.app import Context, Message
+from flwr.app import Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
@@ -59,14 +59,19 @@ class CohortReplies:
     """What a cohort call did with each message, in order: its reply, the exception that
     stopped it (the engine replies with an error, as for one client), or None where it
     left the message to the per-client path (touching nothing of its node); `path` says,
-    in words, which path the messages took and why."""
+    in words, which path the messages took and why. `batch`: the content of the one
+    reply (`fl.wire.cohort_reply`) answering the messages at positions `in_batch` (their
+    `replies` entries stay None), where the engine asked for it."""
 
     replies: list[Message | BaseException | None]
     path: str
+    batch: RecordDict | None = None
+    in_batch: list[int] = field(default_factory=list)
 
 
-# Train messages with their nodes' Contexts -> what became of each.
-CohortTrain = Callable[[Sequence[tuple[Message, Context]]], CohortReplies]
+# Train messages with their nodes' Contexts -> what became of each; an engine whose server
+# takes cohort replies passes a second argument, True: one reply may answer the members.
+CohortTrain = Callable[..., CohortReplies]
 
 
 class CohortClientApp(ClientApp):

@@ -32,6 +32,7 @@ fields. The work bounds the clock charges (`WorkBounds`) are the driver's input.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,9 +49,12 @@ from fl.mechanisms.roundrobin import RoundRobin
 from fl.run.arrivals import RealArrivals
 from fl.strategy.server import ReplyInfo, UploadParts
 from fl.wire.codec import Traffic, payload_traffic
+from fl.wire.cohort_reply import COHORT_METRICS, cohort_node_ids, is_cohort_reply, member_traffic
 from fl.wire.records import record_of
 from fl.world.clock import Job, VirtualClock
 from fl.world.population import NodeIds
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ARRIVAL_ORDERS",
@@ -219,8 +223,12 @@ class RoundDriver:
         """Put this round's replies on the clock; return the nodes that sent none."""
         if down:
             self.bases[server_round] = base
-        replied, jobs = set(), []
+        replied: set[int] = set()
+        jobs: list[Job] = []
         for reply in replies:
+            if reply.has_content() and is_cohort_reply(reply.content):
+                jobs += self._dispatch_cohort(server_round, reply, down, asked, replied)
+                continue
             node = reply.metadata.src_node_id
             if node not in down or node in replied:
                 continue  # not asked this round, or a duplicate: never counted
@@ -235,6 +243,39 @@ class RoundDriver:
             jobs.append(Job(node, self.partitions[node], down[node].total, samples, parts))
         self._start(jobs)
         return sorted((n for n in down if n not in replied), key=self.partitions.__getitem__)
+
+    def _dispatch_cohort(
+        self,
+        server_round: int,
+        reply: Message,
+        down: Mapping[int, Traffic],
+        asked: Mapping[int, WorkBounds],
+        replied: set[int],
+    ) -> list[Job]:
+        """A cohort's one reply (`fl.wire.cohort_reply`) on the clock member by member, as
+        their own replies would be: each its row's bytes and reported samples. Its ids are
+        untrusted: a reply naming a node not waited on, or one twice, is dropped whole
+        (its members count as sending none) with the reason logged."""
+        waiting = [n for n in down if n not in replied]
+        try:
+            members = cohort_node_ids(reply.content, set(waiting))
+        except ValueError as err:
+            log.warning("round %d: cohort reply dropped: %s", server_round, err)
+            return []
+        up = member_traffic(reply.content, len(members))
+        metrics = record_of(reply.content, COHORT_METRICS, MetricRecord)
+        found = metrics.get("samples") if metrics is not None else None
+        column: list[Any] = [None] * len(members)  # no counts: each charged the most asked
+        if isinstance(found, list) and len(found) == len(members):
+            column = list(found)
+        jobs = []
+        for node, reported in zip(members, column, strict=True):
+            replied.add(node)
+            samples = _clamped_samples(reported, asked[node])
+            self.flights[node] = Flight(node, server_round, reply, up, sent_s=self.clock.now)
+            parts = ((1.0, up.total),)  # (as `ServerStrategy.upload_parts`)
+            jobs.append(Job(node, self.partitions[node], down[node].total, samples, parts))
+        return jobs
 
     def _start(self, jobs: list[Job]) -> None:
         """Put jobs on the clock now, or under a schedule each group at its start time."""
@@ -425,9 +466,13 @@ class RoundDriver:
     def _landed(self, server_round: int, flights: list[Flight], given_up: list[int]) -> Landed:
         flights.sort(key=lambda f: self.partitions[f.node])  # engine-independent order
         out = Landed(given_up=sorted(given_up, key=self.partitions.__getitem__))
+        cohorts: set[int] = set()  # a cohort reply lands once, where its first member lands
         for flight in flights:
             assert flight.reply is not None, "only arrived replies land"
-            out.replies.append(flight.reply)
+            if id(flight.reply) not in cohorts:
+                out.replies.append(flight.reply)
+            if flight.reply.has_content() and is_cohort_reply(flight.reply.content):
+                cohorts.add(id(flight.reply))
             out.up.append(flight.up)
             out.info[flight.node] = ReplyInfo(
                 sent_round=flight.sent_round,
@@ -530,7 +575,11 @@ def _reported_samples(reply: Message, bounds: WorkBounds) -> int:
     """Samples the clock charges: what the reply reports, within what an honest client may
     process (no free time for claiming less, no delay for claiming more)."""
     metrics = record_of(reply.content, "metrics", MetricRecord)
-    reported = metrics.get("samples") if metrics is not None else None
+    return _clamped_samples(metrics.get("samples") if metrics is not None else None, bounds)
+
+
+def _clamped_samples(reported: Any, bounds: WorkBounds) -> int:
+    """Reported samples within `bounds`; the most asked for where the report is no count."""
     if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
         return min(max(reported, bounds.low), bounds.high)
     return bounds.high

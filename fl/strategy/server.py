@@ -34,7 +34,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fl.common.checkpointable import check_state_kind, check_state_values
-from fl.common.seeding import derive_seed
 from fl.common.text import shown
 from fl.mechanisms.robust import NORM_POLICIES, Aggregator, ExampleBounds, median_claim
 from fl.mechanisms.roundrobin import RoundRobin
@@ -49,8 +48,9 @@ from fl.strategy.updates import (
     reply_limit,
 )
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
+from fl.wire.cohort_reply import cohort_node_ids, is_cohort_reply, parse_cohort
 from fl.wire.contract import CONTRACT_MISMATCH, NONCE_KEY, check_reply_error, stamp
-from fl.wire.records import Layout, new_record, record_of, vector_to_arrays
+from fl.wire.records import Layout, extended_record, new_record, record_of, vector_to_arrays
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
 
@@ -249,17 +249,24 @@ class ServerStrategy(FedAvg):
             self.stats, self._stats_round = RoundStats(), server_round
         sent_before = len(self.stats.sent)
         self.stats.sent.extend(chosen)
+        shared = new_record(  # every node's keys, checked once for the exchange
+            ConfigRecord,
+            {
+                **config,
+                **(stamp(self.strategy_name) if self.strategy_name else {}),
+                "server-round": server_round,
+            },
+        )
+        # each instruction's nonce: its reply must echo it (fl.wire.contract); drawn for
+        # the exchange at once, one a node, in selection order
+        draw = np.random.default_rng([self.seed, server_round, sent_before, 0x0CE])
+        nonces = draw.integers(0, 2**32, size=len(chosen)).tolist()
         messages = []
-        for index, node_id in enumerate(chosen, start=sent_before):
-            # the instruction's nonce: its reply must echo it (fl.wire.contract)
-            nonce = derive_seed(self.seed, server_round, node_id, index, 0x0CE)
+        for node_id, nonce in zip(chosen, nonces, strict=True):
             self._nonces[node_id] = nonce
-            node_config = new_record(
-                ConfigRecord,
+            node_config = extended_record(
+                shared,
                 {
-                    **config,
-                    **(stamp(self.strategy_name) if self.strategy_name else {}),
-                    "server-round": server_round,
                     NONCE_KEY: nonce,
                     **self.extra_config(node_id),
                     **self.train_config(server_round, node_id),
@@ -302,6 +309,17 @@ class ServerStrategy(FedAvg):
             raise ValueError("reply has no 'metrics' record")
         metrics = dict(record)
         node = reply.metadata.src_node_id
+        num_examples = self._checked_metrics(node, metrics)
+        base = self.base_of(node)
+        vector = self.decode_reply(reply, base)
+        delta = vector - base
+        norm = float(torch.linalg.vector_norm(delta))
+        vector, delta = self._within_norm(node, base, vector, delta, norm)
+        return self._update(node, vector, delta, num_examples, metrics)
+
+    def _checked_metrics(self, node: int, metrics: dict[str, Any]) -> int:
+        """A reply's metrics checked (its echoed nonce taken out of `metrics`): its
+        example count; ValueError with the reason otherwise."""
         echoed = metrics.pop(NONCE_KEY, None)
         if echoed is not None and echoed != self._nonces.get(node):
             raise ValueError("reply answers another instruction (an earlier round's, or replayed)")
@@ -320,11 +338,13 @@ class ServerStrategy(FedAvg):
         samples = metrics.get("samples", 0)  # the virtual clock charges compute by it
         if not isinstance(samples, int) or samples < 0:
             raise ValueError(f"'samples' must be a non-negative int, got {samples!r}")
-        info = self.reply_info.get(node)
-        base = self.base_of(node)
-        vector = self.decode_reply(reply, base)
-        delta = vector - base
-        norm = float(torch.linalg.vector_norm(delta))
+        return num_examples
+
+    def _within_norm(
+        self, node: int, base: torch.Tensor, vector: torch.Tensor, delta: torch.Tensor, norm: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`vector` and its `delta` from `base` under `max_update_norm` (clipped where the
+        policy says so); ValueError for a non-finite or (policy reject) too large update."""
         # base is finite, so a NaN or Inf in the update shows in the norm: one pass, not two
         if not math.isfinite(norm):
             if not bool(torch.isfinite(vector).all()):
@@ -340,6 +360,19 @@ class ServerStrategy(FedAvg):
             self.stats.norm_clipped += 1
             delta = delta * (self.max_update_norm / norm)
             vector = base + delta
+        return vector, delta
+
+    def _update(
+        self,
+        node: int,
+        vector: torch.Tensor,
+        delta: torch.Tensor,
+        num_examples: int,
+        metrics: dict[str, Any],
+    ) -> ClientUpdate:
+        """The checked reply as an update: its example count bounded, a stale one rebased,
+        then the strategy's `check_update`."""
+        info = self.reply_info.get(node)
         bound = self.example_bounds.limit(node) if self.example_bounds else None
         if bound is not None and num_examples > bound:  # clipped, not rejected: see docs
             log.warning(
@@ -378,10 +411,14 @@ class ServerStrategy(FedAvg):
         `ContractMismatch` stops the run, whichever loop drives it (ours, or Flower's own
         `Strategy.start`, which would otherwise go on with empty rounds).
         """
-        updates = []
+        updates: list[ClientUpdate] = []
         delivered = 0
         mismatched: list[Message] = []
         for reply in replies:
+            if not reply.has_error() and is_cohort_reply(reply.content):
+                landed = self._accept_cohort(reply, updates)
+                delivered += landed
+                continue
             node = reply.metadata.src_node_id
             self.stats.delivered.append(node)
             delivered += 1
@@ -395,22 +432,86 @@ class ServerStrategy(FedAvg):
             try:
                 updates.append(self.check_reply(reply))
             except (ValueError, CodecError, TypeError, KeyError) as err:
-                self.stats.rejected += 1
-                self.stats.reasons.append(f"node {node}: {shown(err)}")  # (a reply's keys,
-                log.warning("rejected reply of node %d: %s", node, shown(err))  # codec names)
-                self._forget(node)
+                self._reject(node, err)
                 continue
-            self._nonces.pop(node, None)  # answered: its nonce is spent
-            if self.sync is not None:
-                info = self.reply_info.get(node)
-                sent = info.sent_round if info is not None else self.sync.current
-                self.sync.confirm(node, sent)
+            self._answered(node)
         if delivered and len(mismatched) == delivered:
             check_reply_error(mismatched[0])
         self._normalise_unbounded(updates)
         self.stats.accepted += len(updates)
         self.stats.updates.extend(updates)
         return updates
+
+    def _answered(self, node: int) -> None:
+        """An accepted reply: its nonce is spent, and the sync protocol learns the version
+        the node now holds."""
+        self._nonces.pop(node, None)
+        if self.sync is not None:
+            info = self.reply_info.get(node)
+            sent = info.sent_round if info is not None else self.sync.current
+            self.sync.confirm(node, sent)
+
+    def _reject(self, node: int, err: Exception) -> None:
+        self.stats.rejected += 1
+        self.stats.reasons.append(f"node {node}: {shown(err)}")  # (a reply's keys,
+        log.warning("rejected reply of node %d: %s", node, shown(err))  # codec names)
+        self._forget(node)
+
+    def _accept_cohort(self, reply: Message, updates: list[ClientUpdate]) -> int:
+        """A cohort's one reply (`fl.wire.cohort_reply`), checked as a batch: its members
+        that landed (all, outside the round loop) are validated with one kernel for the
+        rows' deltas and one for their norms, each member's metrics as its own reply's;
+        the members that pass are added to `updates` in the reply's order, each that fails
+        is rejected alone with its reason. Returns how many members landed."""
+        assert self.layout is not None
+        content, asked = reply.content, set(self._nonces)
+        try:
+            ids = cohort_node_ids(content, asked)
+        except ValueError as err:  # no member can be named: one reject, nothing used
+            self.stats.rejected += 1
+            self.stats.reasons.append(f"cohort reply: {shown(err)}")
+            log.warning("rejected cohort reply: %s", shown(err))
+            return 0
+        landed = [n for n in ids if not self.reply_info or n in self.reply_info]
+        if not landed:  # (the loop hands a reply on only where a member of it landed)
+            return 0
+        self.stats.delivered.extend(landed)
+        try:
+            if type(self).decode_reply is not ServerStrategy.decode_reply:
+                raise ValueError(f"{type(self).__name__} decodes replies itself: no cohort reply")
+            batch = parse_cohort(content, self.layout.numel, asked)
+            size, limit = batch.rows.shape[1] * 4, self.payload_limit()
+            if size > limit:
+                raise ValueError(f"reply of {size} B exceeds max_payload_bytes {limit:.0f}")
+        except ValueError as err:
+            for node in landed:
+                self._reject(node, err)
+            return len(landed)
+        position = {node: k for k, node in enumerate(batch.node_ids)}
+        rows = batch.rows[[position[n] for n in landed]] if landed != ids else batch.rows
+        bases = [self.base_of(node) for node in landed]
+        shared = all(b is bases[0] for b in bases)  # one kernel for the cohort
+        deltas = rows - (bases[0] if shared else torch.stack(bases))
+        norms = torch.linalg.vector_norm(deltas, dim=1).tolist()  # one kernel: a screen
+        # rows near the bound (or not finite) get their own row's norm, as a lone reply
+        # would: the batched sum may differ from it in the last bits
+        screen = self.max_update_norm * (1 - 1e-4)
+        row_views, delta_views = rows.unbind(0), deltas.unbind(0)
+        for k, node in enumerate(landed):
+            metrics = {key: column[position[node]] for key, column in batch.metrics.items()}
+            try:
+                num_examples = self._checked_metrics(node, metrics)
+                vector, delta = row_views[k], delta_views[k]
+                if not (math.isfinite(norms[k]) and norms[k] <= screen):
+                    norm = float(torch.linalg.vector_norm(delta))
+                    vector, delta = self._within_norm(node, bases[k], vector, delta, norm)
+                update = self._update(node, vector, delta, num_examples, metrics)
+            except (ValueError, TypeError, KeyError) as err:
+                self._reject(node, err)
+                continue
+            updates.append(update)
+            self._answered(node)
+        return len(landed)
 
     @final
     def give_up(self, nodes: Iterable[int]) -> None:

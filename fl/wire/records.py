@@ -304,6 +304,22 @@ def new_record(kind: type[AnyRecordDict], items: Mapping[str, Any]) -> AnyRecord
     return record
 
 
+def extended_record(base: AnyRecordDict, items: Mapping[str, Any]) -> AnyRecordDict:
+    """A new record of `base`'s kind: `base`'s items (checked when it was made, not again)
+    then `items`, each checked, as `new_record(kind, {**base, **items})` would make it.
+    A round's instructions share most of their config; only each node's own keys are new."""
+    record = type(base)()
+    fields = record.__dict__
+    check_key, check_value = fields["_check_key_fn"], fields["_check_value_fn"]
+    data = fields["_data"]
+    data.update(base.__dict__["_data"])
+    for key, value in items.items():
+        check_key(key)
+        check_value(value)
+        data[key] = value
+    return record
+
+
 def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:
     """An ArrayRecord holding these Arrays as they are.
 

@@ -5,7 +5,9 @@ Flower's simulation hands each Ray actor one message for one node. With
 envelopes, one per carrier node; the carrier's ClientApp trains its members as one cohort
 (`clients.app.carry_cohort`) and answers with every member's reply inside its own.
 `CarrierGrid` opens those replies into the members' own, as if each node had answered,
-so the round loop, the virtual clock and the byte counts never see an envelope.
+so the round loop, the virtual clock and the byte counts never see an envelope. Where
+the loop takes it (`takes_cohort_replies`), the carrier answers its plain members with
+one cohort reply (`fl.wire.cohort_reply`) under `batch/`, opened as that one Message.
 
 A member's `Context.state` lives with its carrier: partition p always travels with the
 node holding partition p mod `cohorts`, which keeps each member's state under the
@@ -32,6 +34,8 @@ from omegaconf import DictConfig
 from fl.common.config import plain
 from fl.common.text import shown
 from fl.run.faults import group_injects
+from fl.strategy.registry import get_strategy
+from fl.strategy.server import ServerStrategy
 from fl.wire.grids import DelegatingGrid
 
 __all__ = [
@@ -48,12 +52,16 @@ __all__ = [
     "open_replies",
     "seal_envelope",
     "seal_replies",
+    "takes_cohort_replies",
+    "wants_one_reply",
 ]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ENVELOPE = "cohort"  # the ConfigRecord that makes a train message an envelope
+ONE_REPLY = "one-reply"  # in its header: the carrier may answer with one cohort reply
+BATCH = "batch"  # a carrier's reply holds that cohort reply's records under `batch/`
 PATH_CHARS = 200  # a carrier's account of its path is logged, never longer than this
 # (escaped too: `fl.common.text.shown`, as every reason a reply carries)
 
@@ -75,7 +83,25 @@ def carrier_grid(grid: Grid, cfg: DictConfig, partitions: Mapping[int, int], arr
         log.info("flower-sim: train messages go node by node: %s", why_not)
         return grid
     log.info("flower-sim: train messages go as up to %d cohorts (engine.cohorts)", engine.cohorts)
-    return CarrierGrid(grid, partitions, int(engine.cohorts))
+    return CarrierGrid(grid, partitions, int(engine.cohorts), takes_cohort_replies(cfg))
+
+
+def takes_cohort_replies(cfg: DictConfig) -> bool:
+    """Whether our round loop takes a cohort's one reply (`fl.wire.cohort_reply`) in this
+    run: `sync` rounds that drop late replies on the virtual clock (no reply outlives its
+    round, so none is held or checkpointed in flight), no privacy mechanism, inline
+    transport, and a server half that decodes replies and times their uploads as
+    `ServerStrategy` does. Elsewhere every cohort member replies on its own."""
+    loop = cfg.loop
+    if cfg.privacy.name != "none" or cfg.transport.get("name", "inline") != "inline":
+        return False
+    if loop.kind != "sync" or loop.late != "drop" or loop.get("arrival") not in (None, "virtual"):
+        return False
+    server = get_strategy(str(cfg.strategy.name)).server
+    return all(
+        getattr(server, name) is getattr(ServerStrategy, name)
+        for name in ("decode_reply", "reply_parts", "upload_parts")
+    )
 
 
 @dataclass(frozen=True)
@@ -93,10 +119,15 @@ class CarrierGrid(DelegatingGrid):
     every other call goes to `grid` unchanged.
     """
 
-    def __init__(self, grid: Grid, partitions: Mapping[int, int], cohorts: int) -> None:
+    def __init__(
+        self, grid: Grid, partitions: Mapping[int, int], cohorts: int, one_reply: bool = False
+    ) -> None:
+        """`one_reply`: a carrier may answer its cohort's plain members with one cohort
+        reply (`fl.wire.cohort_reply`), where the run's loop takes it."""
         super().__init__(grid)
         self.partitions = dict(partitions)
         self.cohorts = cohorts
+        self.one_reply = one_reply
         by_partition = {p: node for node, p in self.partitions.items()}
         self.carriers = [by_partition[c] for c in range(min(cohorts, len(by_partition)))]
         self.num_partitions = len(by_partition)
@@ -139,7 +170,11 @@ class CarrierGrid(DelegatingGrid):
         sealed = []
         for carrier, members in sorted(groups.items()):
             envelope = seal_envelope(
-                members, self.carriers[carrier], self.partitions, self.num_partitions
+                members,
+                self.carriers[carrier],
+                self.partitions,
+                self.num_partitions,
+                one_reply=self.one_reply,
             )
             envelope_id = f"envelope-{next(self._ids)}"
             for j, member in enumerate(members):
@@ -158,8 +193,11 @@ def seal_envelope(
     carrier: int,
     partitions: Mapping[int, int],
     num_partitions: int,
+    *,
+    one_reply: bool = False,
 ) -> Message:
-    """A train message to `carrier` holding each member's records under `j/`."""
+    """A train message to `carrier` holding each member's records under `j/` (`one_reply`:
+    its plain members may answer in one cohort reply)."""
     content = RecordDict()
     for j, member in enumerate(members):
         for name, record in member.content.items():
@@ -170,6 +208,7 @@ def seal_envelope(
             "nodes": [str(node) for node in nodes],  # node ids may not fit a signed int64
             "partitions": [partitions[node] for node in nodes],
             "num-partitions": num_partitions,
+            ONE_REPLY: one_reply,
         }
     )
     first = members[0].metadata
@@ -207,6 +246,12 @@ def open_envelope(envelope: Message) -> list[Member]:
     ]
 
 
+def wants_one_reply(envelope: Message) -> bool:
+    """Whether the server takes one cohort reply for an envelope's plain members."""
+    header = envelope.content[ENVELOPE]
+    return isinstance(header, ConfigRecord) and header.get(ONE_REPLY) is True
+
+
 def _as_sent_to(envelope: Message, node: int, j: int, content: RecordDict) -> Message:
     """Member j's train message as its node would receive it: the envelope's metadata,
     its own destination and id (built whole: a Ray actor has no run identity to stamp)."""
@@ -231,9 +276,9 @@ def _by_member(content: RecordDict, count: int) -> list[RecordDict]:
     """Records under `j/` regrouped per member j < count; any other key is a ValueError."""
     records = [RecordDict() for _ in range(count)]
     for key, record in content.items():
-        if key == ENVELOPE:
-            continue
         head, slash, name = key.partition("/")
+        if key == ENVELOPE or head == BATCH:
+            continue
         if not (slash and name and head.isdigit() and int(head) < count):
             raise ValueError(f"key {key[:40]!r} names no member of {count}")
         records[int(head)][name] = record
@@ -272,10 +317,18 @@ def keep_member_states(carrier: Context, states: Mapping[int, RecordDict]) -> No
             carrier.state[f"{node}/{name}"] = record
 
 
-def seal_replies(envelope: Message, replies: Sequence[Message | None], path: str) -> Message:
+def seal_replies(
+    envelope: Message,
+    replies: Sequence[Message | None],
+    path: str,
+    batch: RecordDict | None = None,
+) -> Message:
     """The carrier's one reply: each member's reply records under `j/`, its errors listed,
-    a member with no reply left out."""
+    a member with no reply left out; `batch`, the cohort reply of the members it answers
+    together (their entries None), under `batch/`."""
     content = RecordDict()
+    for name, record in (batch or {}).items():
+        content[f"{BATCH}/{name}"] = record
     errors: dict[str, list[Any]] = {"members": [], "codes": [], "reasons": []}
     for j, reply in enumerate(replies):
         if reply is None:
@@ -319,6 +372,13 @@ def open_replies(reply: Message, members: Sequence[Message]) -> tuple[list[Messa
             opened.append(Message(Error(*failed[j]), reply_to=member))
         elif len(records[j]):
             opened.append(Message(records[j], reply_to=member))
+    batch = RecordDict()
+    for key, record in reply.content.items():
+        head, _, name = key.partition("/")
+        if head == BATCH and name:
+            batch[name] = record
+    if len(batch):  # the members it names are checked where it lands (RoundDriver.dispatch)
+        opened.append(Message(batch, reply_to=members[0]))
     return opened, path
 
 

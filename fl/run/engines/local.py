@@ -34,7 +34,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl.run.apps import Apps, CohortClientApp
+from fl.run.apps import SERVER_APP, Apps, CohortClientApp
+from fl.run.engines.carriers import takes_cohort_replies
 from fl.run.engines.node_states import DEFAULT_MEMORY_BYTES, NodeStates
 from fl.run.faults import NoReply
 from fl.world.population import PartitionMap
@@ -73,16 +74,20 @@ class LocalGrid(Grid):
         state_memory_bytes: int = DEFAULT_MEMORY_BYTES,
         announces_partitions: bool = False,
         cohort: bool = False,
+        cohort_replies: bool = False,
     ) -> None:
         """`announces_partitions`: the ClientApp reports its node config's partition (ours
         does), so the server may take the map from `partition_map` instead of asking every
         node; `spill_dir` and `state_memory_bytes`: where node states go past that budget;
         `cohort`: hand a pull's train messages to the app's cohort trainer together, where
-        the app has one (`fl.run.apps.CohortClientApp`, `engine.cohort=auto`)."""
+        the app has one (`fl.run.apps.CohortClientApp`, `engine.cohort=auto`);
+        `cohort_replies`: let the cohort answer its plain members in one reply
+        (`fl.wire.cohort_reply`), where the server's loop takes such replies."""
         self.client_app = client_app
         self.cohort = client_app.cohort_train if isinstance(client_app, CohortClientApp) else None
         if not cohort:
             self.cohort = None
+        self.cohort_replies = cohort_replies
         self.cohort_trained = 0  # train messages answered by a cohort
         self.cohort_path = ""  # what the last pull's train messages took, in words
         self.announces_partitions = announces_partitions
@@ -143,7 +148,9 @@ class LocalGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         batch = [self._pending.pop(i) for i in message_ids if i in self._pending]
-        done = self._train_cohort(batch) if self.cohort is not None else {}
+        done: dict[int, Message | None] = {}
+        if self.cohort is not None:
+            done = self._train_cohort(batch)
         rest = [msg for i, msg in enumerate(batch) if i not in done]
         replies = iter(
             map(self._handle, rest) if self._pool is None else self._pool.map(self._handle, rest)
@@ -178,9 +185,10 @@ class LocalGrid(Grid):
             self.states.put(node_id, context.state)
             self._count(-1)
 
-    def _train_cohort(self, batch: list[Message]) -> dict[int, Message]:
+    def _train_cohort(self, batch: list[Message]) -> dict[int, Message | None]:
         """The replies the cohort trainer gave, by position in `batch`: to the train
-        messages of distinct nodes, as one call; the app leaves the rest to `_handle`."""
+        messages of distinct nodes, as one call; the app leaves the rest to `_handle`.
+        A cohort reply stands at its first member's position, None at the others'."""
         assert self.cohort is not None
         trains = [
             i for i, msg in enumerate(batch) if msg.metadata.message_type == MessageType.TRAIN
@@ -198,10 +206,19 @@ class LocalGrid(Grid):
         contexts = [self.context(nodes[i]) for i in picked]
         self._count(len(picked))
         try:
-            outcome = self.cohort(list(zip(messages, contexts, strict=True)))
+            pairs = list(zip(messages, contexts, strict=True))
+            # (asked for only where wanted: a cohort trainer may take just the pairs)
+            outcome = self.cohort(pairs, True) if self.cohort_replies else self.cohort(pairs)
         finally:
             self._count(-len(picked))
-        done: dict[int, Message] = {}
+        done: dict[int, Message | None] = {}
+        if outcome.batch is not None and outcome.in_batch:
+            first = outcome.in_batch[0]
+            joint = Message(outcome.batch, reply_to=messages[first])
+            done[picked[first]] = _wire_roundtrip(joint) if self.serialize else joint
+            for k in outcome.in_batch:
+                done.setdefault(picked[k], None)
+                self.states.put(nodes[picked[k]], contexts[k].state)
         for i, msg, context, reply in zip(picked, messages, contexts, outcome.replies, strict=True):
             if reply is None:
                 continue
@@ -289,6 +306,7 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
         state_memory_bytes=_state_memory_bytes(cfg),
         announces_partitions=True,  # our ClientApp answers `query.info` with its node config
         cohort=cohort,
+        cohort_replies=cohort and _takes_cohort_replies(cfg, apps),
     )
     context = Context(
         run_id=grid.run.run_id,
@@ -301,6 +319,12 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
         apps.server(grid, context)
     finally:
         grid.close()
+
+
+def _takes_cohort_replies(cfg: Any, apps: Apps) -> bool:
+    """Whether the run's server takes a cohort's one reply: our ServerApp's round loop, in
+    the runs `carriers.takes_cohort_replies` names."""
+    return apps.server_ref == SERVER_APP and takes_cohort_replies(cfg)
 
 
 @functools.cache
