@@ -6,7 +6,10 @@ the same starting weights, each with its own shuffle seed), three ways on one de
 - `plain`: `experiments/bench_many_clients.train_one_client` for each client in turn;
 - `per_client`: `clients.trainer.train_locally` for each client in turn (our per-client path);
 - `cohort`: `clients.cohort.train_cohort`, every client at once (host data, moved in one
-  transfer).
+  transfer);
+- `cohort_vmap`: the same with `vmap` forced for a conv model (its reference where the
+  per-client conv trunk is taken, `clients.cohort.TRUNK_MIN_PIXELS`; the same as `cohort`
+  for the MLP).
 
 It reports median seconds per round over `--repeats` (arms alternate within a repeat), the
 machine's load, how much of `STEP_TOLERANCE` the cohort used per weight against the
@@ -17,7 +20,8 @@ figure of the training itself.
 
     .venv/bin/python experiments/bench_cohort.py --task shapes --clients 200
 
-(LeNet-5 on `task=shapes`), and the MLP one `--task synthetic --clients 1000`.
+(LeNet-5 on `task=shapes`), and the MLP one `--task synthetic --clients 1000`; the room
+presets' 32×32 shapes (issue 35) `--task shapes32 --clients 20`.
 """
 
 from __future__ import annotations
@@ -57,11 +61,13 @@ SYNTHETIC = [
     f"task.options.samples_per_device={SAMPLES_PER_DEVICE}",
 ]
 SHAPES = ["task=shapes", "partition=iid"]
-TASKS = {"synthetic": SYNTHETIC, "shapes": SHAPES}
+ARMS = ("plain", "per_client", "cohort", "cohort_vmap")
+TASKS = {"synthetic": SYNTHETIC, "shapes": SHAPES, "shapes32": [*SHAPES, "task.options.size=32"]}
 
 
 def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dict[str, Any]:
     """Median seconds per round of the three arms on `device`, and the cohort's drift."""
+    from clients import cohort as cohort_module
     from clients.cohort import STEP_TOLERANCE, Member, train_cohort
     from clients.trainer import TrainSettings, train_locally
     from fl.common.config import compose
@@ -105,8 +111,22 @@ def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dic
         members = [Member(start, x, y, ClientHooks(None), settings(p)) for p, x, y in shards]
         together[:] = train_cohort(model, layout, members, target)
 
-    seconds: dict[str, list[float]] = {"plain": [], "per_client": [], "cohort": []}
-    arms = (("plain", plain), ("per_client", per_client), ("cohort", cohort))
+    def cohort_vmap() -> None:
+        members = [Member(start, x, y, ClientHooks(None), settings(p)) for p, x, y in shards]
+        chosen = cohort_module._trunk_pays
+        cohort_module._trunk_pays = lambda x, batch_size: False  # type: ignore[assignment]
+        try:
+            train_cohort(model, layout, members, target)
+        finally:
+            cohort_module._trunk_pays = chosen
+
+    seconds: dict[str, list[float]] = {name: [] for name in ARMS}
+    arms = (
+        ("plain", plain),
+        ("per_client", per_client),
+        ("cohort", cohort),
+        ("cohort_vmap", cohort_vmap),
+    )
     load1 = os.getloadavg()[0]
     for _ in range(repeats):
         for name, arm in arms:  # alternating, so drift of the machine hits every arm alike
@@ -130,6 +150,7 @@ def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dic
         "round_s_all": seconds,
         "cohort_vs_plain": medians["cohort"] / medians["plain"],
         "cohort_vs_per_client": medians["cohort"] / medians["per_client"],
+        "cohort_vmap_vs_plain": medians["cohort_vmap"] / medians["plain"],
         "tolerance_used": float(((trained - reference).abs() / (steps * bound)).max()),
         # max over clients of ‖w_cohort − w_alone‖ / ‖w_alone − w_start‖ (≤ DRIFT_TOLERANCE)
         "drift": float(((trained - reference).norm(dim=1) / (reference - start).norm(dim=1)).max()),
