@@ -212,9 +212,10 @@ Gradients = Callable[
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 # Below this many input pixels a client batch (batch size × H × W of the first conv), `vmap`
 # is cheaper than the per-client trunk on the CPU: its dispatch is shared, and the small
-# grouped convs are fast (measured, experiments/pending/roomspeed.md: 8×8 digits or 16×16 at
-# batch 16 favour vmap; 16×16 at batch 32 and 32×32 favour the per-client trunk 1.5–2×).
-TRUNK_MIN_PIXELS = 8192
+# grouped convs are fast. Measured (experiments/pending/roomspeed.md): the cnn on 8×8
+# digits at batch 16 (1024) favours vmap 1.5×; LeNet-5 at 16×16, batch 16 (4096) favours the
+# trunk 1.2× and at 32×32, batch 16 or 32, 1.6–1.9×.
+TRUNK_MIN_PIXELS = 4096
 
 
 def _gradients(model: nn.Module, trunk_pays: bool = False) -> Gradients:

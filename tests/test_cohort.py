@@ -162,7 +162,7 @@ def test_lenet5_at_32px_runs_its_conv_trunk_per_client_within_the_same_tolerance
         4, TrainSettings(3, 0, 8, 0.05, 0.9, 1e-3), ClientHooks, *shapes
     )
     x = members[0].x
-    assert TRUNK_MIN_PIXELS == 8 * 32 * 32 and _trunk_pays(x, 8) and not _trunk_pays(x, 7)
+    assert TRUNK_MIN_PIXELS == 4 * 32 * 32 and _trunk_pays(x, 4) and not _trunk_pays(x, 3)
     assert _gradients(model, True).func is _trunk_autograd  # type: ignore[attr-defined]
     trained, results = train_cohort(model, layout, members, torch.device("cpu"))
     _compare(members, trained, results, _train_each(model, layout, members, ClientHooks))
