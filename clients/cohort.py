@@ -213,7 +213,7 @@ _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.Ada
 # Below this many input pixels a client batch (batch size × H × W of the first conv), `vmap`
 # is cheaper than the per-client trunk on the CPU: its dispatch is shared, and the small
 # grouped convs are fast. Measured (experiments/bench_conv_trunk.py): the cnn on 8×8
-# digits at batch 16 (1024) favours vmap 1.5×; LeNet-5 at 16×16, batch 16 (4096) favours the
+# digits at batch 16 (1024) favours vmap 1.5–1.8×; LeNet-5 at 16×16, batch 16 (4096) favours the
 # trunk 1.2× and at 32×32, batch 16 or 32, 1.6–1.9×.
 TRUNK_MIN_PIXELS = 4096
 
