@@ -208,24 +208,64 @@ Gradients = Callable[
 ]
 
 
-def _gradients(model: nn.Module) -> Gradients:
+# Layers without weights that act on each sample alone: a conv trunk's, run per client.
+_PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+# Below this many input pixels a client batch (batch size × H × W of the first conv), `vmap`
+# is cheaper than the per-client trunk on the CPU: its dispatch is shared, and the small
+# grouped convs are fast. Measured (experiments/bench_conv_trunk.py): the cnn on 8×8
+# digits at batch 16 (1024) favours vmap 1.5–1.8×; LeNet-5 at 16×16, batch 16 (4096) favours the
+# trunk 1.2× and at 32×32, batch 16 or 32, 1.6–1.9×.
+TRUNK_MIN_PIXELS = 4096
+
+
+def _gradients(model: nn.Module, trunk_pays: bool = False) -> Gradients:
     """Every active client's loss gradient in one program.
 
     A Sequential of Flatten, Linear and ReLU layers (logreg, the MLP) is a chain of grouped
     matmuls whose backward is written out here (a few kernels per layer, no autograd
-    graph); any other model runs `torch.func.vmap` over `functional_call` and one autograd
-    backward of the clients' summed losses (independent clients: each gets its own
-    gradient), which costs more dispatch per step.
+    graph). A Sequential of Conv2d and per-sample layers up to a Flatten, then Linear and
+    ReLU layers (the cnn, LeNet-5) runs, where `trunk_pays`, its conv trunk client by client
+    (one client's batch stays in cache, and the CPU's plain conv kernels are faster
+    than the grouped ones `vmap` makes of a stacked conv) and its head as grouped
+    matmuls, with one autograd backward. Any other model runs `torch.func.vmap` over
+    `functional_call` and one autograd backward of the clients' summed losses
+    (independent clients: each gets its own gradient), which costs more dispatch per step.
     """
     layers = list(model.children()) if isinstance(model, nn.Sequential) else []
+    names = [name for name, _ in model.named_children()]
     grouped = bool(layers) and all(
-        type(layer) in (nn.Linear, nn.ReLU)
-        or (type(layer) is nn.Flatten and (layer.start_dim, layer.end_dim) == (1, -1))
-        for layer in layers
+        type(layer) in (nn.Linear, nn.ReLU) or _flattens(layer) for layer in layers
     )
     if grouped:
-        return functools.partial(_grouped_mlp, [name for name, _ in model.named_children()], layers)
+        return functools.partial(_grouped_mlp, names, layers)
+    cut = next((i for i, layer in enumerate(layers) if type(layer) is nn.Linear), 0)
+    trunk = (
+        trunk_pays
+        and cut > 1
+        and _flattens(layers[cut - 1])
+        and any(type(layer) is nn.Conv2d for layer in layers[:cut])
+        and all(type(layer) in (nn.Conv2d, *_PER_SAMPLE) for layer in layers[: cut - 1])
+        and all(type(layer) in (nn.Linear, nn.ReLU) for layer in layers[cut:])
+    )
+    if trunk:
+        return functools.partial(_trunk_autograd, names, layers, cut)
     return functools.partial(_vmap_autograd, vmap(functools.partial(functional_call, model)))
+
+
+def _flattens(layer: nn.Module) -> bool:
+    """Whether `layer` flattens each sample (all but the batch axis)."""
+    return type(layer) is nn.Flatten and (layer.start_dim, layer.end_dim) == (1, -1)
+
+
+def _trunk_pays(x: torch.Tensor, batch_size: int) -> bool:
+    """Whether a conv model's per-client trunk beats `vmap` here: on the CPU, for client
+    batches of at least `TRUNK_MIN_PIXELS` input pixels (a choice fixed by the config, not
+    timed, so that the run's numbers do not depend on the clock)."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 4
+        and batch_size * x.shape[2] * x.shape[3] >= TRUNK_MIN_PIXELS
+    )
 
 
 def _batch_losses(
@@ -246,6 +286,47 @@ def _vmap_autograd(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     params = {n: w.detach().requires_grad_() for n, w in weights.items()}
     losses = _batch_losses(torch.log_softmax(forward(params, x), dim=2), y, mask, sizes)
+    losses.sum().backward()
+    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+
+
+def _trunk_autograd(
+    names: list[str],
+    layers: list[nn.Module],
+    cut: int,
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Layers before `cut` client by client (the per-client trainer's very kernels), the
+    Linear/ReLU head from `cut` as grouped matmuls; one backward of the summed losses."""
+    params = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    mine = {n: p.unbind(0) for n, p in params.items()}  # unbind: one stack in the backward
+    features = []
+    for k, h in enumerate(x.unbind(0)):
+        for name, layer in zip(names[:cut], layers[:cut], strict=True):
+            if isinstance(layer, nn.Conv2d):
+                bias = mine.get(f"{name}.bias")
+                h = layer._conv_forward(
+                    h, mine[f"{name}.weight"][k], None if bias is None else bias[k]
+                )
+            else:
+                h = layer(h)
+        features.append(h)
+    h = torch.stack(features)
+    for name, layer in zip(names[cut:], layers[cut:], strict=True):
+        if isinstance(layer, nn.Linear):
+            weight, bias = params[f"{name}.weight"].transpose(1, 2), params.get(f"{name}.bias")
+            h = (
+                torch.bmm(h, weight)
+                if bias is None
+                else torch.baddbmm(bias.unsqueeze(1), h, weight)
+            )
+        else:
+            h = torch.relu(h)
+    losses = _batch_losses(torch.log_softmax(h, dim=2), y, mask, sizes)
     losses.sum().backward()
     return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
 
@@ -369,7 +450,7 @@ def train_cohort(
             device,
         )
 
-    gradients = _gradients(model)
+    gradients = _gradients(model, _trunk_pays(x, first.batch_size))
     loss_sum = torch.zeros(len(members), device=device)
     model.train()
     for s, active in enumerate(plan.active):

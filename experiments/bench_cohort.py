@@ -6,7 +6,9 @@ the same starting weights, each with its own shuffle seed), three ways on one de
 - `plain`: `experiments/bench_many_clients.train_one_client` for each client in turn;
 - `per_client`: `clients.trainer.train_locally` for each client in turn (our per-client path);
 - `cohort`: `clients.cohort.train_cohort`, every client at once (host data, moved in one
-  transfer).
+  transfer);
+- `cohort_vmap` (conv tasks only): the same with `vmap` forced (the reference where the
+  per-client conv trunk is taken, `clients.cohort.TRUNK_MIN_PIXELS`).
 
 It reports median seconds per round over `--repeats` (arms alternate within a repeat), the
 machine's load, how much of `STEP_TOLERANCE` the cohort used per weight against the
@@ -17,7 +19,8 @@ figure of the training itself.
 
     .venv/bin/python experiments/bench_cohort.py --task shapes --clients 200
 
-(LeNet-5 on `task=shapes`), and the MLP one `--task synthetic --clients 1000`.
+(LeNet-5 on `task=shapes`), and the MLP one `--task synthetic --clients 1000`; the room
+presets' 32×32 shapes (issue 35) `--task shapes32 --clients 20`.
 """
 
 from __future__ import annotations
@@ -57,11 +60,15 @@ SYNTHETIC = [
     f"task.options.samples_per_device={SAMPLES_PER_DEVICE}",
 ]
 SHAPES = ["task=shapes", "partition=iid"]
-TASKS = {"synthetic": SYNTHETIC, "shapes": SHAPES}
+TASKS = {"synthetic": SYNTHETIC, "shapes": SHAPES, "shapes32": [*SHAPES, "task.options.size=32"]}
 
 
-def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dict[str, Any]:
-    """Median seconds per round of the three arms on `device`, and the cohort's drift."""
+def compare(
+    task: list[str], clients: int, device: str, repeats: int = 3, vmap_arm: bool = False
+) -> dict[str, Any]:
+    """Median seconds per round of the three arms on `device` (and `cohort_vmap` with
+    `vmap_arm`), and the cohort's drift."""
+    from clients import cohort as cohort_module
     from clients.cohort import STEP_TOLERANCE, Member, train_cohort
     from clients.trainer import TrainSettings, train_locally
     from fl.common.config import compose
@@ -105,8 +112,19 @@ def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dic
         members = [Member(start, x, y, ClientHooks(None), settings(p)) for p, x, y in shards]
         together[:] = train_cohort(model, layout, members, target)
 
-    seconds: dict[str, list[float]] = {"plain": [], "per_client": [], "cohort": []}
-    arms = (("plain", plain), ("per_client", per_client), ("cohort", cohort))
+    def cohort_vmap() -> None:
+        members = [Member(start, x, y, ClientHooks(None), settings(p)) for p, x, y in shards]
+        chosen = cohort_module._trunk_pays
+        cohort_module._trunk_pays = lambda x, batch_size: False  # type: ignore[assignment]
+        try:
+            train_cohort(model, layout, members, target)
+        finally:
+            cohort_module._trunk_pays = chosen
+
+    arms = [("plain", plain), ("per_client", per_client), ("cohort", cohort)]
+    if vmap_arm:
+        arms.append(("cohort_vmap", cohort_vmap))
+    seconds: dict[str, list[float]] = {name: [] for name, _ in arms}
     load1 = os.getloadavg()[0]
     for _ in range(repeats):
         for name, arm in arms:  # alternating, so drift of the machine hits every arm alike
@@ -130,6 +148,7 @@ def compare(task: list[str], clients: int, device: str, repeats: int = 3) -> dic
         "round_s_all": seconds,
         "cohort_vs_plain": medians["cohort"] / medians["plain"],
         "cohort_vs_per_client": medians["cohort"] / medians["per_client"],
+        "cohort_vmap_vs_plain": medians["cohort_vmap"] / medians["plain"] if vmap_arm else None,
         "tolerance_used": float(((trained - reference).abs() / (steps * bound)).max()),
         # max over clients of ‖w_cohort − w_alone‖ / ‖w_alone − w_start‖ (≤ DRIFT_TOLERANCE)
         "drift": float(((trained - reference).norm(dim=1) / (reference - start).norm(dim=1)).max()),
@@ -145,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
-    result = compare(TASKS[args.task], args.clients, args.device, args.repeats)
+    vmap_arm = args.task != "synthetic"  # the MLP never takes vmap: nothing to compare
+    result = compare(TASKS[args.task], args.clients, args.device, args.repeats, vmap_arm)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

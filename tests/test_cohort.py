@@ -149,6 +149,28 @@ def test_a_cnn_takes_the_vmap_path_within_the_same_tolerance():
     _compare(members, trained, results, _train_each(model, layout, members, ClientHooks))
 
 
+def test_lenet5_at_32px_runs_its_conv_trunk_per_client_within_the_same_tolerance():
+    """Client batches of TRUNK_MIN_PIXELS or more on the CPU (LeNet-5 on 32×32 shapes, the
+    room presets' workload): the conv trunk runs client by client and the head as grouped
+    matmuls, within the per-step tolerance (momentum and weight decay included); smaller
+    batches of the same model keep the vmap path."""
+    from clients.cohort import TRUNK_MIN_PIXELS, _gradients, _trunk_autograd, _trunk_pays
+
+    shapes = ["task=shapes", "task.model=lenet5", "task.options.size=32"]
+    shapes += ["task.options.train_size=240", "task.options.test_size=20"]
+    model, layout, members = _members(
+        4, TrainSettings(3, 0, 8, 0.05, 0.9, 1e-3), ClientHooks, *shapes
+    )
+    x = members[0].x
+    assert TRUNK_MIN_PIXELS == 4 * 32 * 32 and _trunk_pays(x, 4) and not _trunk_pays(x, 3)
+    assert _gradients(model, True).func is _trunk_autograd  # type: ignore[attr-defined]
+    trained, results = train_cohort(model, layout, members, torch.device("cpu"))
+    _compare(members, trained, results, _train_each(model, layout, members, ClientHooks))
+    # the check is sharp here too: another client's weights are far outside the bound
+    alone = _train_each(model, layout, members, ClientHooks)
+    assert _excess(trained[0], alone[1][0], 3) > 10
+
+
 def test_another_seed_gives_other_batches_so_the_check_can_fail():
     """The comparison is sharp: one client's seed changed puts it far outside the bound."""
     model, layout, members = _members(3, TrainSettings(4, 0, 16, 0.3), ClientHooks)

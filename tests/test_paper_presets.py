@@ -4,8 +4,9 @@
 the paper's model where we have it, participation, steps, batch, optimizer and weight decay,
 three seeds at least, every arm sharing them. Without the data it stops with the one
 missing-data line. `NAME_room.yaml` runs the same arms on generated 32×32 shapes with LeNet-5
-(or the paper's model), the cohort engine and its wall time estimated in its header. Their
-quick variants' sweeps run in tests/test_presets.py.
+(or the paper's model) and the cohort engine; its header gives its wall time as measured on
+this machine, and what a user with a GPU runs (device=cuda). Their quick variants' sweeps run
+in tests/test_presets.py.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def test_room_preset_is_shapes_scaled_to_two_cores(system):
     assert _seeds(room) == _seeds(paper)  # the same arms and seeds as the paper preset
     assert room.hydra.sweeper.params.keys() == paper.hydra.sweeper.params.keys()
     header = _header(f"{system}_room")
-    for part in ("before any result", "Why this setting", "ESTIMATE", "runs;"):
+    for part in ("before any result", "Why this setting", "MEASURED", "runs;", "device=cuda"):
         assert part in header, f"{system}_room's header does not say {part!r}"
 
 
