@@ -58,6 +58,7 @@ from experiments.lbbsp_table import _reached
 from experiments.r2sp_table import _time_to
 from fl.common.config import plain
 from fl.run.compare import Run, find_runs, load_run
+from fl.run.intervals import interval
 from fl.world.clock import MBIT, Job, clock_from_config
 from fl.world.task import get_task
 from server.loop import _deadline_s  # the run's own default deadline, not a copy
@@ -441,6 +442,30 @@ def arm_table(preset: Preset, arms: Sequence[Arm]) -> str:
     return "\n".join(lines)
 
 
+LRD2D_TAIL = 20  # the scoreboard's 2D-LRD figure: accuracy, mean of the last 20 rounds
+
+
+def paired_tail_table(arms: Sequence[Arm], reference: str = "strategy.axes=both") -> str:
+    """2D-LRD minus each other arm in points of last-20-round accuracy, paired seed by seed,
+    mean [95 % t-interval] and each seed's difference (the figure of records/lrd2d.json)."""
+    tail = {
+        (a.label, a.seed): statistics.fmean(r["accuracy"] for r in a.rows[-LRD2D_TAIL:])
+        for a in arms
+    }
+    seeds = sorted(s for label, s in tail if label == reference)
+    lines = [_row([f"{reference} minus", "seeds", "mean [95 % CI], points", "each seed"])]
+    lines.append("|---|---|---|---|")
+    for other in sorted({label for label, _ in tail} - {reference}):
+        paired = [s for s in seeds if (other, s) in tail]
+        diffs = [100 * (tail[(reference, s)] - tail[(other, s)]) for s in paired]
+        if len(diffs) < 2:
+            continue
+        mean, lo, hi = interval(diffs)
+        each = " / ".join(f"{d:+.2f}" for d in diffs)
+        lines.append(_row([other, str(len(diffs)), f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}]", each]))
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the headroom table and the seed-averaged comparison of one preset's sweeps."""
     parser = argparse.ArgumentParser(prog="python -m experiments.headroom_time")
@@ -462,6 +487,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(headroom_table(preset, arms))
     print(f"\n### {args.preset}: comparison (mean ± sample std over seeds)\n")
     print(arm_table(preset, arms))
+    if args.preset == "lrd2d":
+        print(f"\n### lrd2d: paired accuracy, mean of the last {LRD2D_TAIL} rounds\n")
+        print(paired_tail_table(arms))
     return 0
 
 
