@@ -276,6 +276,19 @@ def _batch_losses(
     return -(picked * mask).sum(1) / sizes
 
 
+def _backward(
+    params: dict[str, torch.Tensor],
+    logits: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Each client's gradients (one backward of the summed per-client losses) and losses."""
+    losses = _batch_losses(torch.log_softmax(logits, dim=2), y, mask, sizes)
+    losses.sum().backward()
+    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+
+
 def _vmap_autograd(
     forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
     weights: dict[str, torch.Tensor],
@@ -285,9 +298,7 @@ def _vmap_autograd(
     sizes: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     params = {n: w.detach().requires_grad_() for n, w in weights.items()}
-    losses = _batch_losses(torch.log_softmax(forward(params, x), dim=2), y, mask, sizes)
-    losses.sum().backward()
-    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+    return _backward(params, forward(params, x), y, mask, sizes)
 
 
 def _trunk_autograd(
@@ -326,9 +337,7 @@ def _trunk_autograd(
             )
         else:
             h = torch.relu(h)
-    losses = _batch_losses(torch.log_softmax(h, dim=2), y, mask, sizes)
-    losses.sum().backward()
-    return {n: p.grad for n, p in params.items() if p.grad is not None}, losses.detach()
+    return _backward(params, h, y, mask, sizes)
 
 
 def _grouped_mlp(
