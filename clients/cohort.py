@@ -35,6 +35,10 @@ not bit-identical; `STEP_TOLERANCE` is the documented bound per step on the weig
 `DRIFT_TOLERANCE` in norm over a round, and `METRIC_TOLERANCE` on a short run's metrics
 (tests/test_cohort.py and experiments/gpu_check.py check them against the per-client
 path). A ReLU or max-pool input at a tie is the exception to the first two (see there).
+
+Why one module: the batch plan, the three gradient paths (vmap, the CPU conv trunk,
+the grouped MLP) and the stacked update share one layout of the stacked weights and
+one padding/masking rule; split apart, each would have to re-derive both.
 """
 
 from __future__ import annotations
