@@ -38,7 +38,7 @@ from fl.run.checkpoint import (
     save_checkpoint,
 )
 from fl.run.console import RoundReporter
-from fl.run.engines.carriers import carrier_grid
+from fl.run.engines.carriers import carrier_grid, expects_cohort_replies
 from fl.run.loops import Landed, LoopSettings, RoundDriver, WorkBounds, loop_settings
 from fl.run.tracking import RunLog, clear_run, holds_run, refuse_existing_run
 from fl.strategy.registry import get_strategy
@@ -167,7 +167,10 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         real = RealArrivals(grid, partitions, started_s=progress.virtual_time_s)
     deadline_s = _deadline_s(cfg, task, clock, real)
     schedule = strategy.group_schedule()  # R2SP: groups start in turn
-    driver = RoundDriver(settings, clock, partitions, deadline_s, real, schedule)
+    strategy.cohort_replies = expects_cohort_replies(cfg)
+    driver = RoundDriver(
+        settings, clock, partitions, deadline_s, real, schedule, strategy.cohort_replies
+    )
     by_partition = nodes_by_partition(partitions, cfg.num_clients)
     strategy.attach(
         reachable=lambda rnd, grid: driver.idle(_reachable(clock, by_partition, rnd, grid)),

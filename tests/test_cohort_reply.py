@@ -32,6 +32,7 @@ NODES = 5
 # ----- whole runs ------------------------------------------------------------------------
 def _run(tmp_path: Path, name: str, *overrides: str, **grid: Any) -> tuple[list[Any], LocalGrid]:
     common = ("rounds=2", "num_clients=12", "clients_per_round=8", "progress=false")
+    common += ("engine.cohort=auto",)  # the run's server then takes a cohort's one reply
     return train_in_process(
         tmp_path / name,
         *common,
@@ -146,6 +147,7 @@ def test_the_engine_asks_for_one_reply_only_where_the_loop_takes_it():
 # ----- the server's batched checks --------------------------------------------------------
 def _strategy(**options: Any) -> tuple[ServerStrategy, list[Message]]:
     strategy = ServerStrategy(FedAvgParams(), seed=0, clients_per_round=NODES, **options)
+    strategy.cohort_replies = True  # (as the round loop sets it where cohorts train in process)
     grid = LocalGrid(None, NODES, {})  # type: ignore[arg-type]  # nodes are never called
     sent = list(strategy.configure_train(1, ArrayRecord(GLOBAL), ConfigRecord(), grid))
     return strategy, sent
@@ -195,6 +197,42 @@ def test_the_batch_is_checked_and_aggregated_as_the_members_replies_would_be():
         m.metadata.dst_node_id for m in sent
     )
     assert joint._nonces == {}  # every member's nonce is spent
+
+
+def test_a_run_whose_engine_makes_no_cohorts_refuses_a_cohort_reply():
+    """A deployment's node could otherwise answer for the other nodes it names."""
+    from fl.common.config import compose
+    from fl.run.engines.carriers import expects_cohort_replies
+
+    assert expects_cohort_replies(compose(["engine.cohort=auto"]))
+    assert expects_cohort_replies(compose(["engine=flower-sim", "engine.cohort=auto"]))
+    for overrides in ([], ["engine=deployment"], ["engine.cohort=auto", "loop=semi_async"]):
+        assert not expects_cohort_replies(compose(overrides)), overrides
+    strategy, sent = _strategy()
+    strategy.cohort_replies = False
+    before = strategy.global_vector.clone()
+    new, _ = strategy.aggregate_train(1, [_joint(sent, _rows(NODES))])
+    assert new is None and strategy.stats.accepted == 0 and strategy.stats.rejected == 1
+    assert strategy.stats.reasons == [
+        "cohort reply: this run takes no cohort replies (one node answering for others)"
+    ]
+    assert torch.equal(strategy.global_vector, before)
+
+
+def test_the_loop_drops_a_cohort_reply_where_the_run_takes_none(tmp_path, caplog):
+    # the grid sends cohort replies; the run's config (engine.cohort=off) expects none
+    with caplog.at_level(logging.WARNING):
+        rows, _ = train_in_process(
+            tmp_path / "off",
+            "rounds=1",
+            "num_clients=12",
+            "clients_per_round=8",
+            "progress=false",
+            "plots=false",
+            grid_class=functools.partial(LocalGrid, cohort=True, cohort_replies=True),
+        )
+    assert "cohort reply dropped: this run takes no cohort replies" in caplog.text
+    assert rows[0]["replies"] == 0 and rows[0]["missing"] == 8 and rows[0]["bytes_up"] == 0
 
 
 def test_a_nan_row_and_an_oversized_row_are_rejected_alone():

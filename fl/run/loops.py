@@ -137,10 +137,12 @@ class RoundDriver:
         deadline_s: float,
         real: RealArrivals | None = None,
         schedule: RoundRobin | None = None,
+        cohort_replies: bool = False,
     ) -> None:
         """`real`: where real arrivals come from (`arrival=real`); `deadline_s` is then in
         wall seconds, and also bounds how long an unanswered instruction is waited for.
-        `schedule`: the strategy's round-robin order and start times of groups (R2SP)."""
+        `schedule`: the strategy's round-robin order and start times of groups (R2SP).
+        `cohort_replies`: whether a cohort's one reply may come (else it is dropped)."""
         self.settings = settings
         self.clock = clock
         self.partitions = partitions
@@ -149,6 +151,7 @@ class RoundDriver:
         self.flights: dict[int, Flight] = {}
         self.bases: dict[int, torch.Tensor] = {}  # sent round -> global vector it carried
         self.schedule = schedule
+        self.cohort_replies = cohort_replies
         self.held: dict[int, tuple[Job, float]] = {}  # node -> its job, its start time
         if schedule is not None:
             if settings.kind != "groups" or real is not None:
@@ -227,7 +230,9 @@ class RoundDriver:
         jobs: list[Job] = []
         for reply in replies:
             if reply.has_content() and is_cohort_reply(reply.content):
-                jobs += self._dispatch_cohort(server_round, reply, down, asked, replied)
+                jobs += self._dispatch_cohort(
+                    server_round, reply, down, asked, replied, upload_parts
+                )
                 continue
             node = reply.metadata.src_node_id
             if node not in down or node in replied:
@@ -251,6 +256,7 @@ class RoundDriver:
         down: Mapping[int, Traffic],
         asked: Mapping[int, WorkBounds],
         replied: set[int],
+        upload_parts: Callable[[Message, int], UploadParts],
     ) -> list[Job]:
         """A cohort's one reply (`fl.wire.cohort_reply`) on the clock member by member, as
         their own replies would be: each its row's bytes and reported samples. Its ids are
@@ -258,6 +264,8 @@ class RoundDriver:
         (its members count as sending none) with the reason logged."""
         waiting = [n for n in down if n not in replied]
         try:
+            if not self.cohort_replies:
+                raise ValueError("this run takes no cohort replies (one node answering for others)")
             members = cohort_node_ids(reply.content, set(waiting))
         except ValueError as err:
             log.warning("round %d: cohort reply dropped: %s", server_round, err)
@@ -268,12 +276,12 @@ class RoundDriver:
         column: list[Any] = [None] * len(members)  # no counts: each charged the most asked
         if isinstance(found, list) and len(found) == len(members):
             column = list(found)
+        parts = upload_parts(reply, up.total)  # the default timing: no member's own
         jobs = []
         for node, reported in zip(members, column, strict=True):
             replied.add(node)
             samples = _clamped_samples(reported, asked[node])
             self.flights[node] = Flight(node, server_round, reply, up, sent_s=self.clock.now)
-            parts = ((1.0, up.total),)  # (as `ServerStrategy.upload_parts`)
             jobs.append(Job(node, self.partitions[node], down[node].total, samples, parts))
         return jobs
 

@@ -121,6 +121,9 @@ class ServerStrategy(FedAvg):
         self.max_update_norm = max_update_norm
         self.update_norm_policy = update_norm_policy
         self.max_payload_bytes = max_payload_bytes  # None: PAYLOAD_FACTOR x the dense model
+        # whether a cohort's one reply may come (the round loop says so, where its engine
+        # trains cohorts in process): off, one node could answer for others
+        self.cohort_replies = False
         self.aggregator = aggregator or Aggregator()
         # None: claims are taken as sent (a strategy built outside the round loop)
         self.example_bounds: ExampleBounds | None = None
@@ -466,6 +469,8 @@ class ServerStrategy(FedAvg):
         assert self.layout is not None
         content, asked = reply.content, set(self._nonces)
         try:
+            if not self.cohort_replies:
+                raise ValueError("this run takes no cohort replies (one node answering for others)")
             ids = cohort_node_ids(content, asked)
         except ValueError as err:  # no member can be named: one reject, nothing used
             self.stats.rejected += 1

@@ -44,6 +44,7 @@ __all__ = [
     "Member",
     "Sealed",
     "carrier_grid",
+    "expects_cohort_replies",
     "is_envelope",
     "keep_member_states",
     "member_context",
@@ -102,6 +103,16 @@ def takes_cohort_replies(cfg: DictConfig) -> bool:
         getattr(server, name) is getattr(ServerStrategy, name)
         for name in ("decode_reply", "reply_parts", "upload_parts")
     )
+
+
+def expects_cohort_replies(cfg: DictConfig) -> bool:
+    """Whether a cohort's one reply can come in this run at all: an engine that trains
+    cohorts in process (local, or flower-sim's carriers) with `engine.cohort=auto`, in a
+    run `takes_cohort_replies` names. Elsewhere (a deployment's SuperNodes) a reply shaped
+    as a cohort's would let one node answer for others, so it is refused."""
+    engine = cfg.engine
+    in_process = engine.name in ("local", "flower-sim") and engine.get("cohort") == "auto"
+    return in_process and takes_cohort_replies(cfg)
 
 
 @dataclass(frozen=True)
