@@ -282,8 +282,7 @@ def finish_round(
 ) -> Message:
     """The reply: the hooks encode the trained model (or, for `_plain` hooks, the `trained`
     row as `ClientHooks.end` would); the metrics the server checks."""
-    hooks, data, partition = prepared.hooks, prepared.data, prepared.partition
-    layout = prepared.setup.task.layout
+    hooks, layout = prepared.hooks, prepared.setup.task.layout
     if trained is not None:
         records, extra = encode_dense(trained, layout), {}
     else:
@@ -292,18 +291,21 @@ def finish_round(
         prepared.memory.save(context.state)
     metrics = new_record(
         MetricRecord,
-        {
-            "num-examples": len(data[1]),
-            "train-loss": result.mean_loss,
-            "steps": result.steps,
-            "samples": result.samples,
-            "partition-id": partition,
-            **extra,
-            **own_metrics(),
-            **echo(prepared.config),
-        },
+        {**round_metrics(prepared, result), **extra, **own_metrics(), **echo(prepared.config)},
     )
     return Message(new_record(RecordDict, {**records, "metrics": metrics}), reply_to=msg)
+
+
+def round_metrics(prepared: Round, result: LocalResult) -> dict[str, Any]:
+    """What every training reply reports of its round (the server checks each; the clock
+    charges by `samples`), alone or as a cohort reply's columns."""
+    return {
+        "num-examples": len(prepared.data[1]),
+        "train-loss": float(result.mean_loss),
+        "steps": result.steps,
+        "samples": result.samples,
+        "partition-id": prepared.partition,
+    }
 
 
 def train_in_process(
@@ -461,13 +463,7 @@ def _batch_reply(
     """The one reply of the `together` members (`_plain` hooks): their trained rows as one
     stacked array and `finish_round`'s metrics as columns (`fl.wire.cohort_reply`); each
     member's optimizer state saved to its own Context as `finish_round` saves it."""
-    columns: dict[str, list[Any]] = {
-        "num-examples": [],
-        "train-loss": [],
-        "steps": [],
-        "samples": [],
-        "partition-id": [],
-    }
+    columns: dict[str, list[Any]] = {}
     nonces: list[int] = []
     ids: list[int] = []
     for k in together:
@@ -475,12 +471,8 @@ def _batch_reply(
         msg, context = pairs[i]
         if prepared.memory is not None:
             prepared.memory.save(context.state)
-        result = results[k]
-        columns["num-examples"].append(len(prepared.data[1]))
-        columns["train-loss"].append(float(result.mean_loss))
-        columns["steps"].append(result.steps)
-        columns["samples"].append(result.samples)
-        columns["partition-id"].append(prepared.partition)
+        for key, value in round_metrics(prepared, results[k]).items():
+            columns.setdefault(key, []).append(value)
         nonces.extend(echo(prepared.config).values())
         ids.append(msg.metadata.dst_node_id)
     if nonces and len(nonces) == len(ids):
