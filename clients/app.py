@@ -27,7 +27,7 @@ from clients.cohort import train_cohort as train_cohort_of
 from clients.optimizers import OptimizerState
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
-from fl.common.seeding import derive_seed, pin_torch_threads
+from fl.common.seeding import derive_seed, derive_seeds, pin_torch_threads
 from fl.net.transport import bulk_mod
 from fl.net.transport.offer import OFFER
 from fl.run.apps import CohortClientApp, CohortReplies
@@ -195,11 +195,15 @@ def train_message(msg: Message, context: Context, trainer: Trainer) -> Message:
 
 
 def prepare_round(
-    msg: Message, context: Context, broadcast: dict[tuple[Any, ...], Any] | None = None
+    msg: Message,
+    context: Context,
+    broadcast: dict[tuple[Any, ...], Any] | None = None,
+    seed: int | None = None,
 ) -> Round | Message:
     """The instruction loaded into this thread's model and the hooks begun (or the refusal
     of an instruction meant for another strategy or contract). `broadcast`: a cohort's
-    memo of the payloads it has measured and decoded (`_once`)."""
+    memo of the payloads it has measured and decoded (`_once`); `seed`: this round's seed,
+    where the cohort derived it with its other members' (`_cohort_seeds`)."""
     setup = _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
@@ -227,7 +231,8 @@ def prepare_round(
     per_round: dict[str, Any] = {
         field: config[key] for key, field in PER_ROUND_KEYS.items() if key in config
     }
-    seed = derive_seed(setup.seed, server_round, partition)
+    if seed is None:
+        seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)
     data = setup.task.client_data(partition)
     memory = OptimizerState.load(context.state, settings.optimizer, _parameters(model))
@@ -409,10 +414,11 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]], batched: bool = False
     layout = setup.task.layout
     members: list[tuple[int, Round, Member]] = []
     broadcast: dict[tuple[Any, ...], Any] = {}
-    for i in chosen:
+    seeds = _cohort_seeds([pairs[i] for i in chosen], setup)
+    for i, seed in zip(chosen, seeds, strict=True):
         msg, context = pairs[i]
         try:
-            prepared = prepare_round(msg, context, broadcast)
+            prepared = prepare_round(msg, context, broadcast, seed)
         except Exception as err:  # this client fails alone, as it would per client
             replies[i] = err
             continue
@@ -451,6 +457,25 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]], batched: bool = False
         return CohortReplies(replies, path)
     in_batch = [members[k][0] for k in together]
     return CohortReplies(replies, f"{path}, {len(in_batch)} in one reply", batch, in_batch)
+
+
+def _cohort_seeds(pairs: Sequence[tuple[Message, Context]], setup: _Setup) -> list[int | None]:
+    """Each message's round seed (`prepare_round`'s `derive_seed(run seed, round,
+    partition)`), derived for the cohort at once; None where a key is not a 32-bit word
+    (or the message names no round): `prepare_round` then derives or refuses it alone."""
+    keys: list[tuple[int, int] | None] = []
+    for msg, context in pairs:
+        try:
+            server_round = required_record(msg.content, "config", ConfigRecord)["server-round"]
+            key = (server_round, _partition(context, setup.num_clients), setup.seed)
+        except Exception:  # refused by prepare_round, for this client alone
+            keys.append(None)
+            continue
+        fits = all(isinstance(k, int) and 0 <= k <= 0xFFFFFFFF for k in key)
+        keys.append((server_round, key[1]) if fits else None)
+    rows = [key for key in keys if key is not None]
+    derived = iter(derive_seeds(setup.seed, *map(list, zip(*rows, strict=True))) if rows else [])
+    return [None if key is None else next(derived) for key in keys]
 
 
 def _batch_reply(

@@ -132,16 +132,18 @@ class _Plan:
         table, sizes = _tables(members)  # (K, steps, width) indices, (K, steps) batch sizes
         steps = (sizes > 0).sum(1)
         # most steps first (stable): the clients still training at step s are a prefix
-        self.order = sorted(range(len(members)), key=lambda i: -int(steps[i]))
-        self.steps = steps[self.order]
-        self.samples = sizes.sum(1)[self.order].tolist()
-        self.active = [int((self.steps > s).sum()) for s in range(int(self.steps.max()))]
-        sizes = sizes[self.order]
+        order = torch.sort(steps, descending=True, stable=True).indices
+        self.order: list[int] = order.tolist()
+        self.steps = steps[order]
+        self.samples = sizes.sum(1)[order].tolist()
+        at = torch.arange(int(self.steps.max()))
+        self.active: list[int] = (self.steps[:, None] > at).sum(0).tolist()
+        sizes = sizes[order]
         # each step pads to its widest active batch, as `pad_sequence` would
         widths = [int(sizes[:active, s].max()) for s, active in enumerate(self.active)]
-        lengths = torch.tensor([len(m.y) for m in members])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
-        rows = table[self.order] + offsets[self.order, None, None]
+        lengths = torch.tensor([m.y.shape[0] for m in members])
+        offsets = lengths.cumsum(0) - lengths
+        rows = table[order] + offsets[order, None, None]
         # made on the CPU and moved to `device` in one transfer each
         rows, sizes = rows.to(device), sizes.to(device)
         self.rows = [
@@ -163,22 +165,23 @@ def _tables(members: Sequence[Member]) -> tuple[torch.Tensor, torch.Tensor]:
     Per member only its generator and its permutations are made (one per epoch, as
     `_batches` draws them); cutting them into batches is a few kernels for the cohort."""
     custom = [type(m.hooks).batch_size is not ClientHooks.batch_size for m in members]
-    n = torch.tensor([len(m.y) for m in members])
-    size = torch.tensor([m.settings.batch_size for m in members])
+    asked = [(m.y.shape[0], m.settings.batch_size, m.settings.local_steps) for m in members]
+    n, size, steps = torch.tensor(asked).T
     per_epoch = (n + size - 1) // size
-    steps = torch.tensor([m.settings.local_steps for m in members])
     epochs_asked = torch.tensor([m.settings.local_epochs for m in members])
     steps = torch.where(steps > 0, steps, per_epoch * epochs_asked)
     epochs = (steps + per_epoch - 1) // per_epoch
     perms, ragged = [], {}
-    for k, m in enumerate(members):
-        generator = torch.Generator().manual_seed(m.settings.seed)
+    generator = torch.Generator()  # reseeded per member: as a fresh one seeded alike
+    for k, (m, count) in enumerate(zip(members, epochs.tolist(), strict=True)):
+        generator.manual_seed(m.settings.seed)
         if custom[k]:  # its own batch sizes: batch by batch
             ragged[k] = list(_batches(len(m.y), generator, m.settings, m.hooks))
             steps[k], epochs[k] = len(ragged[k]), 0
             continue
-        perms += [torch.randperm(len(m.y), generator=generator) for _ in range(int(epochs[k]))]
-    widths = [int(min(size[k], n[k])) for k in range(len(members)) if not custom[k]]
+        perms += [torch.randperm(m.y.shape[0], generator=generator) for _ in range(count)]
+    plain = ~torch.tensor(custom)
+    widths = [int(torch.minimum(size, n)[plain].max())] if bool(plain.any()) else []
     widths += [len(b) for batches in ragged.values() for b in batches]
     table = torch.zeros(len(members), int(steps.max()), max(widths), dtype=torch.long)
     # the cohort's permutations end to end: whose, which epoch, which place in it
@@ -497,10 +500,11 @@ def train_cohort(
     samples = plan.samples
     means = (loss_sum.cpu() / torch.tensor(samples).clamp(min=1)).tolist()
     out_rows = torch.empty_like(trained)
+    out_rows[torch.tensor(order)] = trained
     results: list[LocalResult | None] = [None] * len(members)
+    taken = plan.steps.tolist()
     for rank, i in enumerate(order):
-        out_rows[i] = trained[rank]
-        results[i] = LocalResult(int(plan.steps[rank]), samples[rank], means[rank])
+        results[i] = LocalResult(taken[rank], samples[rank], means[rank])
         members[i].hooks.time.samples = samples[rank]
     if kept is not None:
         _keep_moments(members, order, kept, plan.steps)

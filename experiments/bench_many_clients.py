@@ -8,7 +8,8 @@ What every arm does alike: the same workload (Synthetic-IID, 20 features, 10 cla
 MLP 20-32-10, one epoch of batch-16 SGD per client; the model learns: chance, the majority
 class, is 0.36), the same batches, and inside its timer the rounds and a test evaluation of
 the global model after every round. One-time imports are warmed before any timer
-(`torch._dynamo`, which `torch.optim.SGD` imports on first construction: 1–2 CPU s), except
+(`torch._dynamo`, which `torch.optim.SGD` imports on first construction: 1–2 CPU s; the
+cohort arm never imports it, so it does not pay for it, and fails if it ever does), except
 in Flower's 2 Ray actors, which are separate processes started inside its run (their start
 is part of Flower's in-process time; Flower is compared on CPU seconds and paired walls,
 start-up included for every arm). Differences that remain, labelled: plain and Flower build
@@ -58,6 +59,12 @@ DIM, NUM_CLASSES, SAMPLES_PER_DEVICE, HIDDEN, IID = 20, 10, 60, (32,), True
 BATCH_SIZE, LOCAL_EPOCHS = 16, 1
 # fl-run with its one-time imports warmed first, as the plain arm warms them before its timer
 WARM_RUN = 'import sys, torch._dynamo; from fl.run.cli import main; sys.argv[0] = "fl-run"; main()'
+# the cohort arm trains without torch.optim and never imports torch._dynamo (~1 CPU s): it
+# starts without it, and fails if a run of it imported it after all (then warm it again)
+COHORT_RUN = (
+    'import sys; from fl.run.cli import main; sys.argv[0] = "fl-run"; main(); '
+    'assert "torch._dynamo" not in sys.modules, "the cohort arm imported torch._dynamo"'
+)
 CHECK_GOALS = {"cohort_ratio": 0.12, "flower_cpu": 25.0, "rss_mb": 1024.0}
 SAMPLE_EVERY_S = 0.2
 PR_SET_CHILD_SUBREAPER = 36
@@ -407,7 +414,7 @@ def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path
         command = [
             python,
             "-c",
-            WARM_RUN,
+            COHORT_RUN if arm == "cohort" else WARM_RUN,
             *(["engine=flower-sim"] if arm in ON_RAY else []),
             f"engine.cohort={'auto' if arm.endswith('cohort') else 'off'}",
             "task=synthetic",

@@ -182,8 +182,7 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         "of the bar, **does not reproduce** when it lies wholly on the other side, and is "
         "**inconclusive** while the interval holds the bar; a system reproduces when all its "
         "conditions do. Each record names the command and the `experiments/RESULTS.md` "
-        "section it comes from.\n\n"
-        + _caveat(records)
+        "section it comes from.\n\n" + _caveat(records)
     )
     cols = ["system", "paper's claim and setting", "our setting", "our figure [95 % interval]"]
     cols += ["verdict", "why (for a non-reproduction)"]

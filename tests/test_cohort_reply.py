@@ -85,11 +85,11 @@ def test_a_member_that_crashes_fails_alone_and_the_round_goes_on(tmp_path, monke
     real = clients.app.prepare_round
     crashed: list[int] = []
 
-    def prepare(msg: Message, context: Any, broadcast: Any = None) -> Any:
+    def prepare(msg: Message, context: Any, *memos: Any) -> Any:
         if not crashed:  # the cohort's first member
             crashed.append(msg.metadata.dst_node_id)
             raise RuntimeError("this member's device broke")
-        return real(msg, context, broadcast)
+        return real(msg, context, *memos)
 
     monkeypatch.setattr(clients.app, "prepare_round", prepare)
     rows, grid = _run(tmp_path, "crash", "rounds=1", cohort_replies=True)

@@ -399,3 +399,38 @@ def test_clock_from_config_reads_the_system_keys(tmp_path):
 def test_clock_from_config_refuses_bad_keys(extra, problem):
     with pytest.raises(ValueError, match=problem):
         clock_from_config({**UNIFORM, **extra}, 4, seed=1)
+
+
+def test_submitting_a_round_at_once_is_submitting_it_job_by_job():
+    """`submit_many` (the loop's one call a round) grows the table once; every arrival,
+    drop and phase time is what submitting the jobs one by one gives, on a shared server
+    link with a speed trace and availability."""
+    profiles = build_profiles(
+        12, seed=2, speed=40.0, up_mbps=0.5, down_mbps=2.0, speed_spread=4, bandwidth_spread=4
+    )
+    parts = ((0.5, 9_000), (1.0, 20_000))
+    jobs = [
+        Job(100 + p, p, 0 if p % 5 == 0 else 30_000 + 977 * p, (p % 4) * 50, parts)
+        for p in range(12)
+    ]
+
+    def clock() -> VirtualClock:
+        return VirtualClock(
+            profiles,
+            seed=1,
+            now=2.0,
+            server_bytes_per_s=0.4 * MBIT,
+            speed_trace=SpeedTrace(3, slot_s=1.5, sigma=0.3),
+            availability_trace=AvailabilityTrace.seeded(12, 5, mean_online_s=40, mean_offline_s=5),
+        )  # fmt: skip
+
+    one_by_one, at_once = clock(), clock()
+    for job in jobs:
+        one_by_one.submit(job)
+    at_once.submit_many(jobs)
+    assert at_once.state_dict() == one_by_one.state_dict()
+    arrivals = drain(at_once)
+    assert arrivals == drain(one_by_one)
+    assert len(arrivals) == 12 and {a.dropped for a in arrivals} == {True, False}
+    with pytest.raises(ValueError, match="already in flight"):
+        clock().submit_many([jobs[0], jobs[0]])

@@ -4,15 +4,63 @@ sum in the same order on every machine and engine."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "pin_torch_threads"]
+__all__ = ["derive_seed", "derive_seeds", "pin_torch_threads"]
+
+# numpy's SeedSequence (bit_generator.pyx), unrolled for `derive_seeds`: its hashmix's
+# (xor, multiplier) pairs in call order, its mix and its first output word's constants
+_MASK = 0xFFFFFFFF
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R, _POOL = 0xCA01F9DD, 0x4973F715, 4
+_MAX_KEYS = 16  # hashmix pairs are tabled for this many keys
+_HASH = [(_INIT_A * _MULT_A**i & _MASK, _INIT_A * _MULT_A ** (i + 1) & _MASK) for i in range(80)]
 
 
 def derive_seed(*keys: int) -> int:
     """A 32-bit seed determined by `keys` (e.g. run seed, round, partition)."""
     return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+
+
+def derive_seeds(*keys: int | Sequence[int]) -> list[int]:
+    """`derive_seed` for many positions at once: each key an int or a sequence (all
+    sequences of one length), the seeds of their rows; e.g. `derive_seeds(seed, round,
+    partitions)` for a cohort (exactly `derive_seed`'s values, ~100× faster than a loop
+    of it: SeedSequence's hashing as numpy kernels, for keys that are 32-bit words)."""
+    lengths = {len(k) for k in keys if not isinstance(k, int)}
+    if len(lengths) > 1:
+        raise ValueError(f"key sequences of different lengths {sorted(lengths)}")
+    rows = lengths.pop() if lengths else 1
+    columns = [np.broadcast_to(np.asarray(k, dtype=np.int64), (rows,)) for k in keys]
+    if not keys or len(keys) > _MAX_KEYS or any(((c < 0) | (c > _MASK)).any() for c in columns):
+        return [derive_seed(*(int(c[r]) for c in columns)) for r in range(rows)]
+    words = [c.astype(np.uint64) for c in columns]
+    words += [np.zeros(rows, np.uint64)] * (_POOL - len(words))
+    constants = iter(_HASH)
+
+    def hashmix(value: np.ndarray) -> np.ndarray:
+        xor, multiplier = next(constants)
+        value = ((value ^ np.uint64(xor)) * np.uint64(multiplier)) & np.uint64(_MASK)
+        return value ^ (value >> np.uint64(16))
+
+    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        value = (np.uint64(_MIX_L) * x - np.uint64(_MIX_R) * y) & np.uint64(_MASK)
+        return value ^ (value >> np.uint64(16))
+
+    pool = [hashmix(words[i]) for i in range(_POOL)]
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for word in words[_POOL:]:
+        for dst in range(_POOL):
+            pool[dst] = mix(pool[dst], hashmix(word))
+    first = np.uint64(_INIT_B * _MULT_B & _MASK)
+    out = ((pool[0] ^ np.uint64(_INIT_B)) * first) & np.uint64(_MASK)
+    return (out ^ (out >> np.uint64(16))).tolist()
 
 
 def pin_torch_threads(threads: int) -> None:

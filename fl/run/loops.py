@@ -288,8 +288,7 @@ class RoundDriver:
     def _start(self, jobs: list[Job]) -> None:
         """Put jobs on the clock now, or under a schedule each group at its start time."""
         if self.schedule is None:
-            for job in jobs:
-                self.clock.submit(job)
+            self.clock.submit_many(jobs)
             return
         by_group: dict[int, list[Job]] = {}
         for job in jobs:
@@ -305,10 +304,10 @@ class RoundDriver:
 
     def _release_held(self) -> None:
         """Submit the held jobs whose start time has come."""
-        for node, (job, start_s) in sorted(self.held.items()):
-            if start_s <= self.clock.now:
-                del self.held[node]
-                self.clock.submit(job)
+        due = [
+            node for node, (_, start_s) in sorted(self.held.items()) if start_s <= self.clock.now
+        ]
+        self.clock.submit_many([self.held.pop(node)[0] for node in due])
 
     def _next_release_s(self) -> float:
         return min((start_s for _, start_s in self.held.values()), default=math.inf)
