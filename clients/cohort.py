@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.nn.utils.rnn import pad_sequence
 
 from clients.optimizers import OptimizerState, StackedMoments
 from clients.trainer import LocalResult, TrainSettings, _batches
@@ -123,16 +122,20 @@ class _Plan:
     """Every client's batches, ordered by step count: what each step trains on.
 
     Each client's batches are `clients.trainer._batches` (its seeded permutations, cut in
-    order). Where its hooks keep the run's batch size, they are built as one padded table
-    per client (epochs' permutations cut into rows of `batch_size`) rather than batch by
-    batch: the same indices, the same padding, in a fraction of the Python (the table
-    used to take about half of the cohort's training CPU at batch 16)."""
+    order). Where its hooks keep the run's batch size, they are cut with a few kernels for
+    the whole cohort rather than batch by batch (`_entries`), and each step's rows are
+    laid out for its active clients only, padded to its widest batch as `pad_sequence`
+    would: the same indices, the same padding. (A padded table of every client × the
+    longest client's steps was ~17× the batches with the synthetic task's lognormal sizes.)
+    """
 
     def __init__(self, members: Sequence[Member], device: torch.device) -> None:
-        table, sizes = _tables(members)  # (K, steps, width) indices, (K, steps) batch sizes
+        sizes, (client, step, slot, index) = _entries(members)
         steps = (sizes > 0).sum(1)
         # most steps first (stable): the clients still training at step s are a prefix
         order = torch.sort(steps, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order))
         self.order: list[int] = order.tolist()
         self.steps = steps[order]
         self.samples = sizes.sum(1)[order].tolist()
@@ -141,13 +144,24 @@ class _Plan:
         sizes = sizes[order]
         # each step pads to its widest active batch, as `pad_sequence` would
         widths = [int(sizes[:active, s].max()) for s, active in enumerate(self.active)]
+        spans = [a * w for a, w in zip(self.active, widths, strict=True)]
+        starts = torch.tensor([0, *spans]).cumsum(0)
         lengths = torch.tensor([m.y.shape[0] for m in members])
-        offsets = lengths.cumsum(0) - lengths
-        rows = table[order] + offsets[order, None, None]
+        offsets = lengths.cumsum(0) - lengths  # each client's first row in the cohort's data
+        # a padded slot holds its client's first row (masked out), a batch's slot its sample
+        rows = torch.cat(
+            [
+                offsets[order[:a], None].expand(a, w).reshape(-1)
+                for a, w in zip(self.active, widths, strict=True)
+            ]
+        )
+        width = torch.tensor(widths)
+        rows[starts[step] + rank[client] * width[step] + slot] += index
         # made on the CPU and moved to `device` in one transfer each
         rows, sizes = rows.to(device), sizes.to(device)
         self.rows = [
-            rows[:a, s, :w] for s, (a, w) in enumerate(zip(self.active, widths, strict=True))
+            rows[b : b + span].view(a, w)
+            for b, span, a, w in zip(starts[:-1].tolist(), spans, self.active, widths, strict=True)
         ]
         self.sizes = [sizes[:a, s] for s, a in enumerate(self.active)]
 
@@ -158,9 +172,11 @@ class _Plan:
         return rows, mask, sizes
 
 
-def _tables(members: Sequence[Member]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each member's batches as rows of a padded index table (0 past a batch's end, as
-    `pad_sequence`), with each row's batch size (0 past the member's last step).
+def _entries(
+    members: Sequence[Member],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each member's batch sizes by step, (K, steps) (0 past its last step), and every
+    batched sample as (member, step, slot in the batch, its index in the member's data).
 
     Per member only its generator and its permutations are made (one per epoch, as
     `_batches` draws them); cutting them into batches is a few kernels for the cohort."""
@@ -176,14 +192,10 @@ def _tables(members: Sequence[Member]) -> tuple[torch.Tensor, torch.Tensor]:
     for k, (m, count) in enumerate(zip(members, epochs.tolist(), strict=True)):
         generator.manual_seed(m.settings.seed)
         if custom[k]:  # its own batch sizes: batch by batch
-            ragged[k] = list(_batches(len(m.y), generator, m.settings, m.hooks))
+            ragged[k] = list(_batches(m.y.shape[0], generator, m.settings, m.hooks))
             steps[k], epochs[k] = len(ragged[k]), 0
             continue
         perms += [torch.randperm(m.y.shape[0], generator=generator) for _ in range(count)]
-    plain = ~torch.tensor(custom)
-    widths = [int(torch.minimum(size, n)[plain].max())] if bool(plain.any()) else []
-    widths += [len(b) for batches in ragged.values() for b in batches]
-    table = torch.zeros(len(members), int(steps.max()), max(widths), dtype=torch.long)
     # the cohort's permutations end to end: whose, which epoch, which place in it
     owner = torch.repeat_interleave(torch.arange(len(members)), epochs)
     firsts = torch.repeat_interleave(epochs.cumsum(0) - epochs, epochs)
@@ -193,18 +205,21 @@ def _tables(members: Sequence[Member]) -> tuple[torch.Tensor, torch.Tensor]:
     place = torch.arange(len(chunk)) - (n[owner].cumsum(0) - n[owner])[chunk]
     step = epoch[chunk] * per_epoch[client] + place // size[client]
     kept = step < steps[client]
-    if perms:
-        flat = torch.cat(perms)
-        table[client[kept], step[kept], (place % size[client])[kept]] = flat[kept]
-    at = torch.arange(table.shape[1])[None, :]
+    flat = torch.cat(perms) if perms else torch.zeros(0, dtype=torch.long)
+    entries = [(client[kept], step[kept], (place % size[client])[kept], flat[kept])]
+    at = torch.arange(int(steps.max()))[None, :]
     last = (n - (per_epoch - 1) * size)[:, None]  # each epoch's last batch
     sizes = torch.where(at % per_epoch[:, None] == per_epoch[:, None] - 1, last, size[:, None])
     sizes = torch.where(at < steps[:, None], sizes, 0)
     for k, batches in ragged.items():
-        table[k, : len(batches), : max(len(b) for b in batches)] = pad_sequence(batches, True)
+        lengths = torch.tensor([len(b) for b in batches])
         sizes[k] = 0
-        sizes[k, : len(batches)] = torch.tensor([len(b) for b in batches])
-    return table, sizes
+        sizes[k, : len(batches)] = lengths
+        batch_of = torch.repeat_interleave(torch.arange(len(batches)), lengths)
+        slots = torch.arange(len(batch_of)) - (lengths.cumsum(0) - lengths)[batch_of]
+        entries.append((torch.full_like(batch_of, k), batch_of, slots, torch.cat(batches)))
+    client, step, slot, index = (torch.cat(column) for column in zip(*entries, strict=True))
+    return sizes, (client, step, slot, index)
 
 
 # (stacked weights of the active clients, their rows (n, B, *input), labels (n, B), mask
