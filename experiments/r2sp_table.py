@@ -6,6 +6,15 @@ each arm's metrics.jsonl for the virtual time at which it first reached 0.90 and
 relative to the first arm (BSP), and its mean time per cycle (every group once).
 
     python experiments/r2sp_table.py experiments/out/r2sp/<stamp>
+
+With `--relative F` (the room workload's rule, issue 35: its accuracies are not the digits
+task's, so 0.90 means nothing there), each seed's target is F × BSP's final accuracy (the
+trailing `--window`-round mean at the end of BSP's run, `loop.groups=1 strategy=fedavg`,
+same seed), an arm reaches it when its trailing mean does, and each arm's time is paired
+with BSP's seed by seed: mean [95 % t-interval] over the seeds where both reached it.
+Chosen on 2026-12-04 before the r2sp_room sweep's grouped arms had finished.
+
+    python experiments/r2sp_table.py experiments/out/r2sp_room/<stamp> --relative 0.9
 """
 
 from __future__ import annotations
@@ -17,7 +26,10 @@ from typing import Any
 
 import yaml
 
+from fl.run.intervals import interval
+
 TARGETS = (0.90, 0.94)
+BSP = "loop.groups=1 strategy=fedavg"
 
 
 def _arm(job: Path) -> tuple[str, int, list[dict[str, Any]]]:
@@ -59,10 +71,73 @@ def table(sweep: Path) -> str:
     return "\n".join(lines)
 
 
+def _trailing(rows: list[dict[str, Any]], window: int) -> list[tuple[float, float]]:
+    """(virtual time, mean accuracy of the last `window` rounds) at each round from the
+    `window`-th on."""
+    acc = [r["accuracy"] for r in rows]
+    return [
+        (rows[i]["virtual_time_s"], sum(acc[i + 1 - window : i + 1]) / window)
+        for i in range(window - 1, len(rows))
+    ]
+
+
+def relative_table(sweep: Path, fraction: float, window: int) -> str:
+    """Each arm's virtual time to `fraction` × BSP's final trailing accuracy, per seed and
+    paired with BSP's (the docstring's rule)."""
+    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    by_arm: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for job in jobs:
+        if not (job / "metrics.jsonl").is_file():
+            continue  # not run (yet)
+        label, _, rows = _arm(job)
+        parts = label.split()
+        seed = next((p for p in parts if p.startswith("seed=")), "seed=0")
+        arm = " ".join(p for p in parts if not p.startswith(("seed=", "progress=", "plots=")))
+        by_arm.setdefault(arm, {})[seed] = rows
+    targets = {
+        seed: fraction * _trailing(rows, window)[-1][1] for seed, rows in by_arm[BSP].items()
+    }
+
+    def time_to(rows: list[dict[str, Any]], target: float) -> float | None:
+        return next((t for t, acc in _trailing(rows, window) if acc >= target), None)
+
+    head = ["arm", "seeds", "reached", "time to target × BSP, mean [95 % t-interval]", "per seed"]
+    head += ["final acc (trailing)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, seeds in by_arm.items():
+        ratios, shown = [], []
+        for seed, rows in sorted(seeds.items()):
+            if seed not in targets:
+                continue
+            mine, base = time_to(rows, targets[seed]), time_to(by_arm[BSP][seed], targets[seed])
+            shown.append("—" if mine is None or not base else f"{mine / base:.2f}")
+            if mine is not None and base:
+                ratios.append(mine / base)
+        if len(ratios) >= 2:
+            mean, lo, hi = interval(ratios)
+            figure = f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
+        else:
+            figure = "—"
+        finals = [_trailing(rows, window)[-1][1] for rows in seeds.values()]
+        final = f"{sum(finals) / len(finals):.3f}"
+        row = [arm, str(len(seeds)), str(len(ratios)), figure, ", ".join(shown), final]
+        lines.append("| " + " | ".join(row) + " |")
+    shown_targets = ", ".join(f"{s}: {t:.3f}" for s, t in sorted(targets.items()))
+    return f"targets ({fraction} × BSP's final trailing accuracy): {shown_targets}\n\n" + "\n".join(
+        lines
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path, help="the sweep directory of fl-run experiment=r2sp")
-    print(table(parser.parse_args().sweep))
+    parser.add_argument("--relative", type=float, help="target: this fraction of BSP's final")
+    parser.add_argument("--window", type=int, default=5, help="trailing rounds (--relative)")
+    args = parser.parse_args()
+    if args.relative is None:
+        print(table(args.sweep))
+    else:
+        print(relative_table(args.sweep, args.relative, args.window))
 
 
 if __name__ == "__main__":
