@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from fl.common.files import NotRegularFile, require_writable
 from privacy.dpbalance import Block, Grant, Pipeline, Problem, Scheduler
 from privacy.ledger_schema import DSLACK, ROOM, SCHEMA, SLACK, VERSION, check_invariants
 
@@ -94,6 +95,20 @@ def _clock(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
+# what SQLite keeps beside a ledger file (WAL mode: -wal and -shm; a rollback: -journal)
+_COMPANIONS = ("", "-wal", "-shm", "-journal")
+
+
+def _refuse_links(path: Path) -> None:
+    """LedgerError if the ledger or a file SQLite keeps beside it is a link or anything but
+    a regular file: SQLite would follow a link, and a budget is never written elsewhere."""
+    for suffix in _COMPANIONS:
+        try:
+            require_writable(f"{path}{suffix}")
+        except NotRegularFile as err:
+            raise LedgerError(f"refused: {err}") from None
+
+
 class Ledger:
     """One connection to a ledger file; open one per process (or per thread).
 
@@ -115,6 +130,7 @@ class Ledger:
         create = create and not readonly
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        _refuse_links(self.path)
         mode = "ro" if readonly else "rwc" if create else "rw"
         uri = f"file:{quote(str(self.path.absolute()))}?mode={mode}"
         try:
@@ -122,6 +138,7 @@ class Ledger:
         except sqlite3.OperationalError as err:
             raise LedgerError(f"no ledger at {self.path} ({err})") from None
         try:
+            _refuse_links(self.path)  # again, now that it is open: no link swapped in between
             self.db.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
             self._setup(create, time.monotonic() + timeout_s)
         except BaseException:

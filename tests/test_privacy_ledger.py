@@ -228,3 +228,23 @@ def test_a_file_that_is_not_a_ledger_of_this_version_is_refused(tmp_path):
     with pytest.raises(LedgerError, match="no ledger at"):
         Ledger(tmp_path / "missing.sqlite", create=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.sqlite", "old.sqlite"]
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", "-journal"])
+def test_a_ledger_or_its_companion_that_is_a_link_is_refused_and_nothing_written_through(
+    tmp_path, suffix
+):
+    """SQLite follows links: a link at the ledger's path, or at a file SQLite keeps beside it,
+    would put the budget somewhere else. Refused in one line; the target stays untouched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"")
+    path = tmp_path / "budget.sqlite"
+    if suffix:
+        with Ledger(path) as ledger:  # a real ledger, then a link beside it
+            ledger.add_blocks({"B": 1.0})
+    (tmp_path / f"budget.sqlite{suffix}").unlink(missing_ok=True)
+    (tmp_path / f"budget.sqlite{suffix}").symlink_to(elsewhere)
+    for readonly in (False, True):
+        with pytest.raises(LedgerError, match="symbolic link"):
+            Ledger(path, readonly=readonly)
+    assert elsewhere.read_bytes() == b""

@@ -43,12 +43,12 @@ def derive_seeds(*keys: int | Sequence[int]) -> list[int]:
 
     def hashmix(value: np.ndarray) -> np.ndarray:
         xor, multiplier = next(constants)
-        value = ((value ^ np.uint64(xor)) * np.uint64(multiplier)) & np.uint64(_MASK)
-        return value ^ (value >> np.uint64(16))
+        return _fold(np.multiply(np.bitwise_xor(value, np.uint64(xor)), np.uint64(multiplier)))
 
     def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        value = (np.uint64(_MIX_L) * x - np.uint64(_MIX_R) * y) & np.uint64(_MASK)
-        return value ^ (value >> np.uint64(16))
+        return _fold(
+            np.subtract(np.multiply(np.uint64(_MIX_L), x), np.multiply(np.uint64(_MIX_R), y))
+        )
 
     pool = [hashmix(words[i]) for i in range(_POOL)]
     for src in range(_POOL):
@@ -59,8 +59,13 @@ def derive_seeds(*keys: int | Sequence[int]) -> list[int]:
         for dst in range(_POOL):
             pool[dst] = mix(pool[dst], hashmix(word))
     first = np.uint64(_INIT_B * _MULT_B & _MASK)
-    out = ((pool[0] ^ np.uint64(_INIT_B)) * first) & np.uint64(_MASK)
-    return (out ^ (out >> np.uint64(16))).tolist()
+    return _fold(np.multiply(np.bitwise_xor(pool[0], np.uint64(_INIT_B)), first)).tolist()
+
+
+def _fold(value: np.ndarray) -> np.ndarray:
+    """SeedSequence's step after each product: the low 32 bits, xor-shifted by 16."""
+    low = np.bitwise_and(value, np.uint64(_MASK))
+    return np.bitwise_xor(low, np.right_shift(low, np.uint64(16)))
 
 
 def pin_torch_threads(threads: int) -> None:
