@@ -6,8 +6,13 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
 from conftest import read_metrics, run_fl
 from wandb.proto import wandb_internal_pb2
+
+from fl.common.config import compose
+from fl.common.files import NotRegularFile
+from fl.run.tracking import RunLog
 
 BLOCK, HEADER = 32768, 7  # W&B's run file uses LevelDB's log format after a 7-byte file header
 
@@ -49,3 +54,17 @@ def test_wandb_offline_run_holds_the_history(tmp_path):
     for logged, row in zip(history, rows, strict=True):
         assert logged["accuracy"] == row["accuracy"]
         assert logged["bytes_up"] == row["bytes_up"]
+
+
+def test_a_wandb_folder_that_is_a_link_is_refused_before_wandb_writes(tmp_path):
+    """W&B writes under the run's `wandb/`; a link planted there would send its files
+    elsewhere: the run is refused in one line and nothing lands at the link's target."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "wandb").symlink_to(elsewhere, target_is_directory=True)
+    cfg = compose(["experiment=smoke", "logger=wandb"])
+    with pytest.raises(NotRegularFile, match="not a directory"):
+        RunLog(run_dir, cfg)
+    assert list(elsewhere.iterdir()) == []

@@ -17,7 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl.common.config import check_choice, plain
 from fl.common.errors import RunError
-from fl.common.files import open_for_append, require_regular, require_writable, write_atomic
+from fl.common.files import (
+    make_dir,
+    open_for_append,
+    require_regular,
+    require_writable,
+    write_atomic,
+)
 
 __all__ = [
     "LOGGERS",
@@ -140,6 +146,7 @@ class RunLog:
         import wandb
 
         settings = self.cfg.logger
+        make_dir(self.out_dir / "wandb")  # where W&B writes: a folder here, never a link out
         run = wandb.init(
             project=settings.project,
             entity=settings.entity,
