@@ -49,6 +49,7 @@ from experiments.bench_many_clients import (
     config_lr,
     train_one_client,
 )
+from fl.common.files import write_atomic
 
 # The many-client benchmark's workload, and LeNet-5 on generated shapes (Dirichlet split).
 SYNTHETIC = [
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        write_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

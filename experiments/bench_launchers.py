@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fl.common.files import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHERS = {
     "basic": [],
@@ -81,7 +83,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from fl.common.files import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 ARMS = ("plain", "ours", "cohort", "flower", "sim", "sim_cohort")
 DEFAULT_ARMS = ("plain", "ours", "cohort", "flower")
@@ -710,7 +712,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summary,
         "runs": [asdict(r) for r in runs],
     }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(args.out, json.dumps(report, indent=2) + "\n")
     print()
     print(table(summary))
     print()

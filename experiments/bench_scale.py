@@ -58,6 +58,7 @@ from experiments.bench_many_clients import (
     reap_descendants,
     test_accuracy,
 )
+from fl.common.files import write_atomic
 
 SELECT_TAG = 0x5E1  # fl.strategy.server.ServerStrategy.select's stream
 POLL_S = 0.02
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         "fastest_rounds_ratio_cohort": fastest_rounds_ratio(runs, "cohort"),
         "runs": runs,
     }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(args.out, json.dumps(report, indent=2) + "\n")
     for arm, s in summary.items():
         print(
             f"{arm:5s} peak RSS {s['peak_rss_mb']:.0f} MB, start-up {s['startup_s']:.2f} s, "

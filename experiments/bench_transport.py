@@ -61,6 +61,8 @@ from typing import Any
 
 import numpy as np
 
+from fl.common.files import write_atomic
+
 HERE = Path(__file__).resolve()
 BIN = Path(sys.executable).parent
 OFFLINE = {
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     result["round_trip_load_avg"] = flower["loads"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_atomic(args.json, json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
 
 

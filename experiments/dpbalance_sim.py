@@ -20,6 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fl.common.files import write_atomic
 from fl.run.intervals import interval
 from privacy.cli import plot
 from privacy.simulation import Workload, compare
@@ -94,8 +95,8 @@ def main() -> None:
             print(f"{variant} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
         plot(results[variant][0], out / f"{variant}.png")
     table = summary_table(results)
-    (out / "summary.md").write_text(table)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_atomic(out / "summary.md", table)
+    write_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
     print(table)
     print(f"wrote {out}/summary.md, results.json and one figure per variant")
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fl.common.files import write_atomic
 from fl.run.compare import Run, find_runs, load_run
 
 __all__ = ["arm_table", "main", "plot_cdfs"]
@@ -87,7 +88,7 @@ def plot_cdfs(runs: Sequence[Run], path: Path) -> None:
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or args.dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     table = arm_table(runs)
-    (out / "fedca_table.md").write_text(table)
+    write_atomic(out / "fedca_table.md", table)
     plot_cdfs(runs, out / "fedca_cdf.png")
     print(table)
     print(f"written to {out / 'fedca_table.md'} and {out / 'fedca_cdf.png'}")

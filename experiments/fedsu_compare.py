@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from asfl_table import _cell
 
+from fl.common.files import write_atomic
 from fl.run.plots import plot_diagnostic
 
 UNSYNCED = ("speculated_fraction", "frozen_fraction")
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
     target = float(argv[1]) if len(argv) > 1 else 0.95
     arms = _arms(sweep)
     text = table(arms, target)
-    (sweep / "comparison_at_common_round.md").write_text(text)
+    write_atomic(sweep / "comparison_at_common_round.md", text)
     unsynced = {
         name: [{"round": r["round"], "unsynced_fraction": _unsynced(r)} for r in rows]
         for name, rows in arms.items()

@@ -36,6 +36,7 @@ from flwr.clientapp import ClientApp
 
 from clients.cluster_check import gpu_cluster_check
 from clients.cohort import DRIFT_TOLERANCE
+from fl.common.files import write_atomic
 
 GRADIENT_TOLERANCE = 1e-6
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        write_atomic(args.json, text + "\n")
     return 1 if failures else 0
 
 

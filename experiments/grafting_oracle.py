@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fl.common.files import write_atomic
+
 DIAGNOSES = ("loss", "consistency", "stepping", "oscillation", "relevance", "significance")
 SETUP = [
     "experiment=grafting",
@@ -157,8 +159,8 @@ def main() -> None:
         "events": {e: [r for r in forks if t[r]] for e, t in truth.items()},
         "scores": scores,
     }
-    (out / "oracle.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "oracle.md").write_text(table(result) + "\n")
+    write_atomic(out / "oracle.json", json.dumps(result, indent=2, default=str) + "\n")
+    write_atomic(out / "oracle.md", table(result) + "\n")
     print(table(result))
     print(f"\nwritten to {out}")
 

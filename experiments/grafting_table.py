@@ -28,6 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import yaml
 
+from fl.common.files import write_atomic
 from fl.run.intervals import interval
 
 LAST = 5  # rounds averaged for the end accuracy
@@ -177,7 +178,7 @@ def figure(arms: dict[str, list[dict[str, float]]], path: Path) -> None:
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -193,7 +194,7 @@ def main() -> None:
         out += "\n\nDiagnosis accuracy against the oracle:\n\n"
         out += (args.oracle / "oracle.md").read_text()
     figure(arms, args.figure or args.sweeps[0] / "grafting_pareto.png")
-    (args.sweeps[0] / "grafting.md").write_text(out + "\n")
+    write_atomic(args.sweeps[0] / "grafting.md", out + "\n")
     print(out)
 
 

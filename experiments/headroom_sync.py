@@ -47,6 +47,7 @@ import yaml
 from apf_stability_probe import HISTORY, report
 from apf_stability_probe import main as run_recording
 
+from fl.common.files import write_atomic
 from fl.mechanisms.diagnosis import LinearityTest, OscillationRatio, SteppingRate
 from fl.mechanisms.speculation import Speculation, error_feedback
 
@@ -337,8 +338,8 @@ def main(argv: list[str]) -> int:
     out = Path("experiments/out/headroom_stable")
     out.mkdir(parents=True, exist_ok=True)
     name = "_".join(a.replace("/", "-") for a in argv[1:])[:120]
-    (out / f"{name}.json").write_text(
-        json.dumps({"overrides": argv[1:], **shares, "window": window})
+    write_atomic(
+        out / f"{name}.json", json.dumps({"overrides": argv[1:], **shares, "window": window})
     )
     return 0
 

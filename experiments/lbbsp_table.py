@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import yaml
 
 from fl.common.config import compose
+from fl.common.files import write_atomic
 from fl.mechanisms.lbbsp import LeaderStraggler, make_predictor, proportional_sizes
 from fl.world.task import get_task
 
@@ -421,7 +422,7 @@ def main() -> None:
     if args.fl is not None:
         results["fl"] = fl_variant(args.fl)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_atomic(args.json, json.dumps(results, indent=2))
     print(markdown(results))
 
 

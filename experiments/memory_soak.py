@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from fl.common.files import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -83,7 +85,7 @@ def _watch(
         report["traced_mb"] = [
             sum(s.size for s in snap.statistics("filename")) / MB for snap in (snap0, snap1)
         ]
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(out, json.dumps(report, indent=2) + "\n")
 
 
 def child(run_dir: Path, marks: tuple[int, int], trace: bool, overrides: list[str]) -> None:
@@ -213,7 +215,7 @@ def plot(
     axes[1].set_title("after warm-up (zoomed)")
     axes[1].legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -269,7 +271,7 @@ def main() -> None:
         "rss_per_round_mb": [round(v, 2) for v in rss],
         "rss_floor_per_round_mb": [round(v, 2) for v in floor],
     }
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_atomic(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
     plot(rss, floor, samples, args.warmup, args.out.with_suffix(".png"))
     keys = (
         "wall_s",

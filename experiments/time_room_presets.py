@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fl.common.files import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (label, overrides): one arm and seed of each room preset's sweep
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         print(label, json.dumps(results[label]), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        write_atomic(args.json, json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
