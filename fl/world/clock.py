@@ -218,10 +218,13 @@ class VirtualClock:
         self._table = np.concatenate([self._table, columns], axis=2)
         drops = [self._drop_s(job.partition, self.now) for job in jobs]
         self._drops = np.concatenate([self._drops, drops])
+        settle = []  # a job still downloading, its device online, has nothing to settle yet
         for i, job in enumerate(jobs, first):
             if job.down_bytes > 0:
                 self._start(i, _DOWN, 0.0, job.down_bytes, self._table[_CAP, _DOWN, i])
-        self._retire(list(range(first, len(self._flights))))
+            if job.down_bytes == 0 or self._drops[i] <= self.now:
+                settle.append(i)
+        self._retire(settle)
 
     def in_flight(self) -> list[int]:
         """Keys of submitted jobs not yet returned by `next_arrival`."""
