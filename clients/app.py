@@ -463,19 +463,26 @@ def _cohort_seeds(pairs: Sequence[tuple[Message, Context]], setup: _Setup) -> li
     """Each message's round seed (`prepare_round`'s `derive_seed(run seed, round,
     partition)`), derived for the cohort at once; None where a key is not a 32-bit word
     (or the message names no round): `prepare_round` then derives or refuses it alone."""
+    if not _word(setup.seed):
+        return [None] * len(pairs)
     keys: list[tuple[int, int] | None] = []
     for msg, context in pairs:
         try:
             server_round = required_record(msg.content, "config", ConfigRecord)["server-round"]
-            key = (server_round, _partition(context, setup.num_clients), setup.seed)
+            partition = _partition(context, setup.num_clients)
         except Exception:  # refused by prepare_round, for this client alone
             keys.append(None)
             continue
-        fits = all(isinstance(k, int) and 0 <= k <= 0xFFFFFFFF for k in key)
-        keys.append((server_round, key[1]) if fits else None)
+        fits = _word(server_round) and _word(partition)
+        keys.append((server_round, partition) if fits else None)
     rows = [key for key in keys if key is not None]
     derived = iter(derive_seeds(setup.seed, *map(list, zip(*rows, strict=True))) if rows else [])
     return [None if key is None else next(derived) for key in keys]
+
+
+def _word(value: Any) -> bool:
+    """Whether `value` is an int that fits a 32-bit word (what `derive_seeds` hashes)."""
+    return isinstance(value, int) and 0 <= value <= 0xFFFFFFFF
 
 
 def _batch_reply(

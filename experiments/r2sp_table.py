@@ -94,22 +94,24 @@ def relative_table(sweep: Path, fraction: float, window: int) -> str:
         seed = next((p for p in parts if p.startswith("seed=")), "seed=0")
         arm = " ".join(p for p in parts if not p.startswith(("seed=", "progress=", "plots=")))
         by_arm.setdefault(arm, {})[seed] = rows
-    targets = {
-        seed: fraction * _trailing(rows, window)[-1][1] for seed, rows in by_arm[BSP].items()
+    curves = {  # each run's (virtual time, trailing accuracy), computed once
+        arm: {seed: _trailing(rows, window) for seed, rows in seeds.items()}
+        for arm, seeds in by_arm.items()
     }
+    targets = {seed: fraction * curve[-1][1] for seed, curve in curves[BSP].items()}
 
-    def time_to(rows: list[dict[str, Any]], target: float) -> float | None:
-        return next((t for t, acc in _trailing(rows, window) if acc >= target), None)
+    def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+        return next((t for t, acc in curve if acc >= target), None)
 
     head = ["arm", "seeds", "reached", "time to target × BSP, mean [95 % t-interval]", "per seed"]
     head += ["final acc (trailing)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, seeds in by_arm.items():
+    for arm, seeds in curves.items():
         ratios, shown = [], []
-        for seed, rows in sorted(seeds.items()):
+        for seed, curve in sorted(seeds.items()):
             if seed not in targets:
                 continue
-            mine, base = time_to(rows, targets[seed]), time_to(by_arm[BSP][seed], targets[seed])
+            mine, base = time_to(curve, targets[seed]), time_to(curves[BSP][seed], targets[seed])
             shown.append("—" if mine is None or not base else f"{mine / base:.2f}")
             if mine is not None and base:
                 ratios.append(mine / base)
@@ -118,7 +120,7 @@ def relative_table(sweep: Path, fraction: float, window: int) -> str:
             figure = f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
         else:
             figure = "—"
-        finals = [_trailing(rows, window)[-1][1] for rows in seeds.values()]
+        finals = [curve[-1][1] for curve in seeds.values()]
         final = f"{sum(finals) / len(finals):.3f}"
         row = [arm, str(len(seeds)), str(len(ratios)), figure, ", ".join(shown), final]
         lines.append("| " + " | ".join(row) + " |")

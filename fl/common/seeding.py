@@ -16,8 +16,11 @@ __all__ = ["derive_seed", "derive_seeds", "pin_torch_threads"]
 _MASK = 0xFFFFFFFF
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_L, _MIX_R, _POOL = 0xCA01F9DD, 0x4973F715, 4
-_MAX_KEYS = 16  # hashmix pairs are tabled for this many keys
-_HASH = [(_INIT_A * _MULT_A**i & _MASK, _INIT_A * _MULT_A ** (i + 1) & _MASK) for i in range(80)]
+_MAX_KEYS = 16  # hashmix pairs are tabled for this many keys: the pool's own mixing, then
+_HASHMIXES = _POOL * _POOL + _POOL * (_MAX_KEYS - _POOL)  # each key past the pool per word
+_HASH = [
+    (_INIT_A * _MULT_A**i & _MASK, _INIT_A * _MULT_A ** (i + 1) & _MASK) for i in range(_HASHMIXES)
+]
 
 
 def derive_seed(*keys: int) -> int:
