@@ -27,7 +27,7 @@ from clients.cohort import train_cohort as train_cohort_of
 from clients.optimizers import OptimizerState
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
-from fl.common.seeding import derive_seed, derive_seeds, pin_torch_threads
+from fl.common.seeding import derive_seed, derive_seeds, is_seed_word, pin_torch_threads
 from fl.net.transport import bulk_mod
 from fl.net.transport.offer import OFFER
 from fl.run.apps import CohortClientApp, CohortReplies
@@ -463,7 +463,7 @@ def _cohort_seeds(pairs: Sequence[tuple[Message, Context]], setup: _Setup) -> li
     """Each message's round seed (`prepare_round`'s `derive_seed(run seed, round,
     partition)`), derived for the cohort at once; None where a key is not a 32-bit word
     (or the message names no round): `prepare_round` then derives or refuses it alone."""
-    if not _word(setup.seed):
+    if not is_seed_word(setup.seed):
         return [None] * len(pairs)
     keys: list[tuple[int, int] | None] = []
     for msg, context in pairs:
@@ -473,16 +473,11 @@ def _cohort_seeds(pairs: Sequence[tuple[Message, Context]], setup: _Setup) -> li
         except Exception:  # refused by prepare_round, for this client alone
             keys.append(None)
             continue
-        fits = _word(server_round) and _word(partition)
+        fits = is_seed_word(server_round) and is_seed_word(partition)
         keys.append((server_round, partition) if fits else None)
     rows = [key for key in keys if key is not None]
     derived = iter(derive_seeds(setup.seed, *map(list, zip(*rows, strict=True))) if rows else [])
     return [None if key is None else next(derived) for key in keys]
-
-
-def _word(value: Any) -> bool:
-    """Whether `value` is an int that fits a 32-bit word (what `derive_seeds` hashes)."""
-    return isinstance(value, int) and 0 <= value <= 0xFFFFFFFF
 
 
 def _batch_reply(

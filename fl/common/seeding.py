@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "derive_seeds", "pin_torch_threads"]
+__all__ = ["derive_seed", "derive_seeds", "is_seed_word", "pin_torch_threads"]
 
 # numpy's SeedSequence (bit_generator.pyx), unrolled for `derive_seeds`: its hashmix's
 # (xor, multiplier) pairs in call order, its mix and its first output word's constants
@@ -63,6 +63,12 @@ def derive_seeds(*keys: int | Sequence[int]) -> list[int]:
             pool[dst] = mix(pool[dst], hashmix(word))
     first = np.uint64(_INIT_B * _MULT_B & _MASK)
     return _fold(np.multiply(np.bitwise_xor(pool[0], np.uint64(_INIT_B)), first)).tolist()
+
+
+def is_seed_word(value: object) -> bool:
+    """Whether `value` is an int that fits a 32-bit word: a key `derive_seeds` hashes
+    itself (others take SeedSequence's own path, which refuses negatives)."""
+    return isinstance(value, int) and 0 <= value <= _MASK
 
 
 def _fold(value: np.ndarray) -> np.ndarray:
