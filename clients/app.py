@@ -199,12 +199,14 @@ def prepare_round(
     context: Context,
     broadcast: dict[tuple[Any, ...], Any] | None = None,
     seed: int | None = None,
+    setup: _Setup | None = None,
 ) -> Round | Message:
     """The instruction loaded into this thread's model and the hooks begun (or the refusal
     of an instruction meant for another strategy or contract). `broadcast`: a cohort's
     memo of the payloads it has measured and decoded (`_once`); `seed`: this round's seed,
-    where the cohort derived it with its other members' (`_cohort_seeds`)."""
-    setup = _setup_of(context)
+    where the cohort derived it with its other members' (`_cohort_seeds`); `setup`: the
+    run's, where the cohort found it once for all its members (`_cohort_refusal`)."""
+    setup = setup or _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
     refusal = mismatch_reply(msg, config, setup.spec.name)
     if refusal is not None:
@@ -418,7 +420,7 @@ def train_cohort(pairs: Sequence[tuple[Message, Context]], batched: bool = False
     for i, seed in zip(chosen, seeds, strict=True):
         msg, context = pairs[i]
         try:
-            prepared = prepare_round(msg, context, broadcast, seed)
+            prepared = prepare_round(msg, context, broadcast, seed, setup)
         except Exception as err:  # this client fails alone, as it would per client
             replies[i] = err
             continue

@@ -201,19 +201,24 @@ class SyntheticDevices:
             raise IndexError(f"device {k} of {self.num_devices}")
         rng = np.random.default_rng([self.seed, _DEVICE_TAG, k])
         if self.iid:
-            w, b, v = _synthetic_device(
-                np.random.default_rng([self.seed, _SHARED_TAG]),
-                0.0,
-                0.0,
-                self.num_classes,
-                self.dim,
-            )
+            w, b, v = self._shared
         else:
             u, big_b = rng.normal(0.0, self.alpha), rng.normal(0.0, self.beta)
             w, b, v = _synthetic_device(rng, u, big_b, self.num_classes, self.dim)
-        std_x = np.arange(1, self.dim + 1) ** -0.6  # sqrt of the variance j^-1.2
-        x = v + rng.standard_normal((int(self.sizes[k]), self.dim)) * std_x
+        x = v + rng.standard_normal((int(self.sizes[k]), self.dim)) * self._std_x
         return x.astype(np.float32), np.argmax(x @ w.T + b, axis=1).astype(np.int64)
+
+    @cached_property
+    def _shared(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The W, b and v every device shares when `iid`: drawn once from their own stream
+        (a million-client run draws a few devices a round; each drew them anew)."""
+        rng = np.random.default_rng([self.seed, _SHARED_TAG])
+        return _synthetic_device(rng, 0.0, 0.0, self.num_classes, self.dim)
+
+    @cached_property
+    def _std_x(self) -> np.ndarray:
+        """Each feature's standard deviation, the square root of its variance j^-1.2."""
+        return np.arange(1, self.dim + 1) ** -0.6
 
     def train(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device `k`'s training samples."""
