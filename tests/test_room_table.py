@@ -1,0 +1,90 @@
+"""experiments/room_table.py: paired Δ accuracy by seed, at equal rounds or at equal virtual
+time, from run folders written here; bad metrics are refused, not averaged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments import room_table
+
+
+def _run(sweep: Path, job: int, arm: str, seed: int, rows: list[tuple[float, float]]) -> None:
+    """A finished run: its overrides, one metrics row per (virtual time, accuracy)."""
+    folder = sweep / str(job)
+    (folder / ".hydra").mkdir(parents=True)
+    overrides = [arm, f"seed={seed}", "experiment=gift_room"]
+    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    lines = [
+        json.dumps({"round": r + 1, "virtual_time_s": t, "accuracy": a})
+        for r, (t, a) in enumerate(rows)
+    ]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"final_accuracy": rows[-1][1]}))
+
+
+def _sweep(tmp_path: Path) -> Path:
+    """Two seeds; FedAvg's rounds take 2 s, GIFT's 1 s; GIFT's accuracy runs 1 point higher
+    at equal rounds and FedAvg's own figure, at GIFT's end (T = 10 s), is its round 5."""
+    sweep = tmp_path / "sweep"
+    job = 0
+    for seed in (0, 1):
+        base = 0.5 + 0.01 * seed
+        fedavg = [(2.0 * (r + 1), base + 0.01 * r) for r in range(10)]
+        gift = [(1.0 * (r + 1), base + 0.01 * r + 0.01) for r in range(10)]
+        for arm, rows in (("strategy=fedavg", fedavg), ("strategy=gift", gift)):
+            _run(sweep, job, arm, seed, rows)
+            job += 1
+    return sweep
+
+
+def test_equal_rounds_and_equal_time(tmp_path):
+    sweep = _sweep(tmp_path)
+    arms = room_table.seed_arms(room_table.find_runs(sweep))
+    rounds = room_table.paired(arms, "strategy=fedavg", 2, equal_time=False)
+    assert rounds["arms"]["strategy=gift"]["deltas"] == pytest.approx([1.0, 1.0])
+    timed = room_table.paired(arms, "strategy=fedavg", 2, equal_time=True)
+    assert timed["budget_s"] == {"0": 10.0, "1": 10.0}
+    # by 10 s GIFT has run all 10 rounds (mean of rounds 9-10), FedAvg 5 (rounds 4-5)
+    assert timed["arms"]["strategy=gift"]["deltas"] == pytest.approx([6.0, 6.0])
+    figure = timed["arms"]["strategy=gift"]
+    assert figure["lo"] == pytest.approx(6.0) and figure["hi"] == pytest.approx(6.0)
+    assert room_table.verdict(figure["lo"], figure["hi"], 0.0) == "reproduces"
+    assert room_table.verdict(-1.0, 2.0, 0.0) == "inconclusive"
+    assert room_table.verdict(-3.0, -1.0, 0.0) == "does not reproduce"
+
+
+def test_the_command_prints_and_writes_json(tmp_path, capsys):
+    sweep, out = _sweep(tmp_path), tmp_path / "figures.json"
+    args = [str(sweep), "--reference", "strategy=fedavg", "--window", "2", "--equal-time"]
+    assert room_table.main([*args, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| strategy=gift | 0,1 | +6.00 [+6.00, +6.00]" in printed
+    assert json.loads(out.read_text())["arms"]["strategy=gift"]["seeds"] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [(4.0, float("nan")), (4.0, 1.5), (1.0, 0.5)],  # not finite, above 1, time going back
+    ids=["nan", "above-one", "time-back"],
+)
+def test_bad_metrics_are_refused(tmp_path, bad):
+    sweep = _sweep(tmp_path)
+    path = sweep / "1" / "metrics.jsonl"  # GIFT, seed 0
+    rows = path.read_text().splitlines()
+    rows[3] = json.dumps({"round": 4, "virtual_time_s": bad[0], "accuracy": bad[1]})
+    path.write_text("\n".join(rows) + "\n")
+    arms = room_table.seed_arms(room_table.find_runs(sweep))
+    with pytest.raises(ValueError, match="run 1"):
+        room_table.paired(arms, "strategy=fedavg", 2, equal_time=True)
+
+
+def test_too_few_rounds_by_the_budget_is_an_error(tmp_path):
+    arms = room_table.seed_arms(room_table.find_runs(_sweep(tmp_path)))
+    with pytest.raises(ValueError, match="need 6"):  # FedAvg has 5 rounds by 10 s
+        room_table.paired(arms, "strategy=fedavg", 6, equal_time=True)
+    with pytest.raises(ValueError, match="no arm"):
+        room_table.paired(arms, "strategy=pas", 2, equal_time=False)
