@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fl.common.errors import RunError
-from fl.common.files import require_regular, write_atomic
+from fl.common.files import make_dir, require_regular, write_atomic
 
 __all__ = ["main", "markdown_table", "plot"]
 
@@ -92,7 +92,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     twin.set_ylabel("Jain index", color="C3")
     axes[2].set_title("DPBalance: efficiency vs fairness")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
@@ -110,7 +110,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     out = Path(args.out) if args.out else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)  # before the study: a bad --out fails at once
+        make_dir(out)  # before the study: a bad --out fails at once
     result = compare(workload, tuple(args.betas), dpf_n=args.dpf_n, kappa_max=args.kappa_max)
     table = markdown_table(result)
     print(table)

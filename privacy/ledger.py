@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from fl.common.files import NotRegularFile, require_writable
+from fl.common.files import NotRegularFile, make_dir, require_writable
 from privacy.dpbalance import Block, Grant, Pipeline, Problem, Scheduler
 from privacy.ledger_schema import DSLACK, ROOM, SCHEMA, SLACK, VERSION, check_invariants
 
@@ -128,8 +128,11 @@ class Ledger:
         self.readonly = readonly
         self.reclaimed: list[str] = []  # pipelines the last write transaction's reclaim ended
         create = create and not readonly
-        if create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if create:  # its folder too is no link: a swapped folder would hold a fresh ledger
+            try:
+                make_dir(self.path.parent)
+            except NotRegularFile as err:
+                raise LedgerError(f"refused: {err}") from None
         _refuse_links(self.path)
         mode = "ro" if readonly else "rwc" if create else "rw"
         uri = f"file:{quote(str(self.path.absolute()))}?mode={mode}"

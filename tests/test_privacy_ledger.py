@@ -248,3 +248,16 @@ def test_a_ledger_or_its_companion_that_is_a_link_is_refused_and_nothing_written
         with pytest.raises(LedgerError, match="symbolic link"):
             Ledger(path, readonly=readonly)
     assert elsewhere.read_bytes() == b""
+
+
+def test_a_ledger_in_a_folder_that_is_a_link_is_refused(tmp_path):
+    """A new ledger's folder is no link either: swapped for one, it would hold a fresh
+    ledger with the whole budget unspent. Refused, and nothing is made in its target."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "ledgers").symlink_to(target, target_is_directory=True)
+    with pytest.raises(LedgerError, match="is a symbolic link, not a directory"):
+        Ledger(tmp_path / "ledgers" / "budget.sqlite")
+    assert list(target.iterdir()) == []
+    with Ledger(tmp_path / "real" / "budget.sqlite") as ledger:  # a plain new folder is made
+        ledger.add_blocks({"B": 1.0})
