@@ -434,3 +434,58 @@ def test_submitting_a_round_at_once_is_submitting_it_job_by_job():
     assert len(arrivals) == 12 and {a.dropped for a in arrivals} == {True, False}
     with pytest.raises(ValueError, match="already in flight"):
         clock().submit_many([jobs[0], jobs[0]])
+
+
+def _independent_script(clock: VirtualClock) -> list[Arrival]:
+    """Three waves of jobs that cannot meet (some two-part, which stay on the event table),
+    with waits, deadlines and a cancel in between."""
+    out: list[Arrival] = []
+    for wave in range(3):
+        jobs = []
+        for p in range(40):
+            key = 100 * wave + p
+            parts: tuple[tuple[float, int], ...] = ((1.0, 0 if p % 7 == 0 else 9_000 + 31 * p),)
+            if p % 9 == 0:
+                parts = ((0.5, 4_000), (1.0, 5_000))
+            elif p % 11 == 0:
+                parts = ()
+            down = 0 if p % 5 == 0 else 20_000 + 577 * p
+            jobs.append(Job(key, p, down, 0 if p % 6 == 0 else 40 + 13 * p, parts))
+        clock.submit_many(jobs)
+        for _ in range(15):
+            if (arrival := clock.next_arrival(until=clock.now + 0.4)) is not None:
+                out.append(arrival)
+        clock.wait(0.3)
+        clock.cancel(100 * wave + 39)
+    return out + drain(clock)
+
+
+def test_jobs_that_cannot_meet_are_scheduled_as_their_events_would_end_them(monkeypatch):
+    """With no shared link and no traces, a job that uploads once at the end gets its
+    arrival at submit; every phase time and the order of arrivals, ties included, equal
+    the event simulation's float for float, and a checkpoint taken mid-flight resumes."""
+    profiles = build_profiles(
+        40, seed=3, speed=60.0, up_mbps=0.8, down_mbps=3.0, speed_spread=5, bandwidth_spread=5
+    )
+    profiles = profiles[:20] + profiles[:20]  # equal devices: simultaneous arrivals tie
+
+    def clock() -> VirtualClock:
+        return VirtualClock(profiles, seed=1, now=1.25)
+
+    scheduled = _independent_script(clock())
+    with monkeypatch.context() as patched:
+        patched.setattr(VirtualClock, "_independent", property(lambda self: False))
+        events = _independent_script(clock())
+    assert scheduled == events
+    assert len({a.arrived_s for a in scheduled}) < len(scheduled)  # ties were exercised
+
+    whole = clock()
+    whole.submit_many([Job(k, k, 10_000, 50 + k, ((1.0, 8_000),)) for k in range(40)])
+    whole.submit_many([Job(40 + k, k, 0, 30, ((0.5, 1_000), (1.0, 2_000))) for k in range(3)])
+    whole.wait(1.0)
+    state = whole.state_dict()
+    assert state["scheduled"] and state["jobs"]
+    resumed = clock()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert resumed.in_flight() == whole.in_flight()
+    assert drain(resumed) == drain(whole)
