@@ -21,6 +21,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from clients.cohort import METRIC_TOLERANCE, STEP_TOLERANCE, Member, cohort_unfit, train_cohort
+from clients.cohort import _gradients as cohort_gradients
+from clients.cohort import _log_softmax as cohort_log_softmax
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import compose
 from fl.run.apps import CohortClientApp, CohortReplies
@@ -178,6 +180,32 @@ def test_another_seed_gives_other_batches_so_the_check_can_fail():
     members[1].settings = replace(members[1].settings, seed=7)
     weights, _ = _train_each(model, layout, members, ClientHooks)[1]
     assert _excess(trained[1], weights, 4) > 10
+
+
+def test_the_mlps_written_out_backward_is_autograds():
+    """The grouped MLP's hand-written backward (class-major log_softmax, ReLU's own
+    backward kernel) gives each client the gradient and loss autograd gives it alone."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+    k, batch = 4, 7
+    stacked = {n: p.detach() + 0.1 * torch.randn(k, *p.shape) for n, p in model.named_parameters()}
+    x, y = torch.randn(k, batch, 6), torch.randint(0, 5, (k, batch))
+    sizes = torch.tensor([7, 3, 1, 5])
+    mask = (torch.arange(batch) < sizes[:, None]).float()
+    grads, losses = cohort_gradients(model)(stacked, x, y, mask, sizes)
+    for c in range(k):
+        params = {n: w[c].clone().requires_grad_() for n, w in stacked.items()}
+        used = int(sizes[c])
+        logits = torch.func.functional_call(model, params, (x[c, :used],))
+        loss = nn.functional.cross_entropy(logits, y[c, :used])
+        loss.backward()
+        assert losses[c].item() == pytest.approx(loss.item(), rel=1e-6)
+        for n, p in params.items():
+            torch.testing.assert_close(grads[n][c], p.grad, rtol=1e-5, atol=1e-7)
+    logits = torch.randn(50, 16, 10)
+    torch.testing.assert_close(
+        cohort_log_softmax(logits), torch.log_softmax(logits, dim=-1), rtol=0, atol=1e-6
+    )
 
 
 def test_cohort_safe_is_declared_by_each_class_not_inherited():
