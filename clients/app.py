@@ -46,7 +46,7 @@ from fl.strategy.registry import StrategySpec, get_strategy
 from fl.wire.codec import CodecError, decode, encode_dense, payload_traffic
 from fl.wire.cohort_reply import pack_cohort
 from fl.wire.contract import NONCE_KEY, echo, mismatch_reply, unreadable
-from fl.wire.records import new_record, required_record
+from fl.wire.records import items_of, new_record, required_record
 from fl.world.task import Task, get_task
 from privacy.dpsgd import DPSGD
 
@@ -208,7 +208,8 @@ def prepare_round(
     run's, where the cohort found it once for all its members (`_cohort_refusal`)."""
     setup = setup or _setup_of(context)
     config = required_record(msg.content, "config", ConfigRecord)
-    refusal = mismatch_reply(msg, config, setup.spec.name)
+    values = items_of(config)  # read at dict speed below
+    refusal = mismatch_reply(msg, values, setup.spec.name)
     if refusal is not None:
         return refusal
     partition = _partition(context, setup.num_clients)
@@ -219,7 +220,7 @@ def prepare_round(
         received = payload_traffic(content).total
     else:
         received = _once(broadcast, "measure", content, lambda: payload_traffic(content).total)
-    hooks.time = ClientTime.from_config(config, received)
+    hooks.time = ClientTime.from_config(values, received)
     start = None
     if broadcast is not None and _plain(hooks):
         try:
@@ -229,10 +230,8 @@ def prepare_round(
     else:
         load_instruction(hooks, setup.spec.name, model, content, config, context.state, layout)
         hooks.begin(model, config, context.state)
-    server_round = cast(int, config["server-round"])
-    per_round: dict[str, Any] = {
-        field: config[key] for key, field in PER_ROUND_KEYS.items() if key in config
-    }
+    server_round = cast(int, values["server-round"])
+    per_round = {field: values[key] for key, field in PER_ROUND_KEYS.items() if key in values}
     if seed is None:
         seed = derive_seed(setup.seed, server_round, partition)
     settings = replace(setup.settings, seed=seed, **per_round)

@@ -172,6 +172,12 @@ class _Plan:
         return rows, mask, sizes
 
 
+def _gather(data: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`data[rows]` through `index_select`: the same values, ~3× faster than advanced
+    indexing on the CPU, which a step with few active clients pays mostly in overhead."""
+    return data.index_select(0, rows.reshape(-1)).view(*rows.shape, *data.shape[1:])
+
+
 def _entries(
     members: Sequence[Member],
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -495,7 +501,8 @@ def train_cohort(
     for s, active in enumerate(plan.active):
         rows, mask, sizes = plan.step(s)
         params = {n: w[:active] for n, w in weights.items()}
-        grads, losses = gradients(params, x[rows], y[rows], mask.to(x.dtype), sizes)
+        batch_x, batch_y = _gather(x, rows), _gather(y, rows)
+        grads, losses = gradients(params, batch_x, batch_y, mask.to(x.dtype), sizes)
         lr = rates.at(s, active)
         if kept is not None:
             kept.begin_step(s, active, lr)

@@ -45,7 +45,7 @@ from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.codec import CODEC, Traffic, payload_traffic
 from fl.wire.contract import check_reply_error
-from fl.wire.records import required_record
+from fl.wire.records import items_of, required_record
 from fl.world.clock import VirtualClock, clock_from_config
 from fl.world.population import NodeIds, nodes_by_partition
 from fl.world.task import Task, get_task
@@ -360,11 +360,11 @@ def _time_view(clock: VirtualClock, partition: int, deadline_s: float) -> dict[s
     """What a client's hooks may know of time: its device, the round's deadline and, under
     a speed trace, its speed's changes until the deadline (seconds after sending, samples/s,
     flattened): the device's own clock, which a real client reads off its wall clock."""
-    profile = clock.profiles[partition]
+    profiles = clock.profiles  # read from its arrays: no DeviceProfile built per node
     view = {
         "device-speed": clock.speed(partition, clock.now),
-        "device-up-bps": profile.up_bytes_per_s,
-        "device-down-bps": profile.down_bytes_per_s,
+        "device-up-bps": float(profiles.up[partition]),
+        "device-down-bps": float(profiles.down[partition]),
         "deadline-s": deadline_s,
         "sent-at-s": clock.now,
     }
@@ -440,7 +440,7 @@ def _asked_samples(
     clock charges a reply's reported samples clamped to these bounds: a reply claiming no
     work gets no free time.
     """
-    config = required_record(message.content, "config", ConfigRecord)
+    config = items_of(required_record(message.content, "config", ConfigRecord))
     steps = int(cast(int, config.get("local-steps", work.local_steps)))
     batch = int(cast(int, config.get("batch-size", work.batch_size)))
     epochs = int(cast(int, config.get("local-epochs", work.local_epochs)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -47,7 +48,7 @@ class ClientTime:
     speed_trace: tuple[tuple[float, float], ...] = ()
 
     @classmethod
-    def from_config(cls, config: ConfigRecord, down_bytes: int) -> ClientTime:
+    def from_config(cls, config: Mapping[str, Any], down_bytes: int) -> ClientTime:
         """The view the server's `device-*` and `deadline-s` keys describe."""
         if "device-speed" not in config:
             return cls()

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,6 +31,7 @@ __all__ = [
     "array_to_numpy",
     "arrays_to_vector",
     "dense_views",
+    "items_of",
     "new_record",
     "npy_array",
     "numpy_to_array",
@@ -64,6 +66,13 @@ def record_of(content: RecordDict, key: str, kind: type[AnyRecord]) -> AnyRecord
     """
     record = content.get(key)
     return record if isinstance(record, kind) else None
+
+
+def items_of(record: ConfigRecord | MetricRecord) -> Mapping[str, Any]:
+    """A record's items as a read-only view of its own dict: Flower's `TypedDict` reads
+    (`[]`, `in`, `get`) are Python calls, ~0.5 µs each, which a cohort of a thousand
+    members pays a dozen times a member on every round's configs."""
+    return MappingProxyType(record.__dict__["_data"])
 
 
 def required_record(content: RecordDict, key: str, kind: type[AnyRecord]) -> AnyRecord:

@@ -170,7 +170,7 @@ class VirtualClock:
     def speed(self, partition: int, t: float) -> float:
         """Samples per second `partition` trains at at time `t` (background load included)."""
         load = 1.0 if self.speed_trace is None else self.speed_trace.multiplier(partition, t)
-        return self.profiles[partition].speed * load
+        return float(self.profiles.speed[partition]) * load
 
     def speed_segments(
         self, partition: int, start: float, until: float, limit: int = 64
