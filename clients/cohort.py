@@ -55,6 +55,7 @@ from clients.optimizers import OptimizerState, StackedMoments
 from clients.trainer import LocalResult, TrainSettings, _batches
 from fl.strategy.client import ClientHooks
 from fl.wire.records import Layout
+from fl.world.models import conv_input
 
 __all__ = [
     "DRIFT_TOLERANCE",
@@ -345,6 +346,7 @@ def _trunk_autograd(
     mine = {n: p.unbind(0) for n, p in params.items()}  # unbind: one stack in the backward
     features = []
     for k, h in enumerate(x.unbind(0)):
+        h = conv_input(h)
         for name, layer in zip(names[:cut], layers[:cut], strict=True):
             if isinstance(layer, nn.Conv2d):
                 bias = mine.get(f"{name}.bias")

@@ -13,6 +13,7 @@ from torch import nn
 
 from clients.optimizers import OptimizerState, make_optimizer
 from fl.strategy.client import ClientHooks
+from fl.world.models import conv_input
 
 __all__ = ["LocalResult", "Privatizer", "TrainSettings", "train_locally"]
 
@@ -71,6 +72,10 @@ def _batches(
             cursor, step = cursor + size, step + 1
 
 
+def _as_given(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def train_locally(
     model: nn.Module,
     x: torch.Tensor,
@@ -111,6 +116,8 @@ def train_locally(
     steps, samples, loss_sum = 0, 0, torch.zeros((), device=x.device)
     current_lr = settings.lr
     on_cpu = x.device.type == "cpu"  # where the index batches are made
+    # channels-last images (fl.world.models.conv_input), except for Opacus's per-sample hooks
+    inputs = conv_input if private is None else _as_given
     try:
         for step, batch in enumerate(batches):
             if not on_cpu:
@@ -123,7 +130,7 @@ def train_locally(
             optimizer.zero_grad(set_to_none=True)
             # the batch mean, and 0 (not NaN) for an empty Poisson batch; "mean" gives the
             # bits of sum / len at two thirds of the cost (one autograd node less)
-            logits, targets = model(x[batch]), y[batch]
+            logits, targets = model(inputs(x[batch])), y[batch]
             if size:
                 loss = F.cross_entropy(logits, targets)
             else:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
+from fl.world.models import conv_input
 from fl.world.task import Task
 
 __all__ = ["evaluate_global"]
@@ -22,7 +23,7 @@ def evaluate_global(task: Task, arrays: ArrayRecord, batch_size: int = 2048) -> 
     for start in range(0, len(y_all), batch_size):
         x = x_all[start : start + batch_size].to(task.device)
         y = y_all[start : start + batch_size].to(task.device)
-        logits = model(x)
+        logits = model(conv_input(x))
         loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())
     return correct / len(y_all), loss_sum / len(y_all)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fl.world.models import MODEL_NAMES, build_model
+from fl.world.models import MODEL_NAMES, build_model, conv_input
 
 IMAGE_SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 FLAT_MODELS = ["logreg", "mlp"]
@@ -95,3 +95,24 @@ def test_unknown_model_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="logreg, mlp, cnn, lenet5, resnet18"):
         build_model("vgg16", (3, 32, 32), 10)
     assert MODEL_NAMES == ("logreg", "mlp", "cnn", "lenet5", "resnet18")
+
+
+def test_images_train_in_channels_last_memory_with_the_same_gradients():
+    """conv_input lays an image batch out channels-last (faster oneDNN kernels on the CPU)
+    and leaves other inputs alone; LeNet-5's loss and gradients stay those of the plain
+    layout up to rounding."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    fast = conv_input(x)
+    assert fast.is_contiguous(memory_format=torch.channels_last) and torch.equal(fast, x)
+    flat = torch.randn(8, 20)
+    assert conv_input(flat) is flat
+    model = build_model("lenet5", (3, 32, 32), 10)
+    grads = []
+    for batch in (x, fast):
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch), y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, channels_last in zip(*grads, strict=True):
+        torch.testing.assert_close(channels_last, plain, rtol=1e-5, atol=1e-7)
