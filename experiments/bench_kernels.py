@@ -66,10 +66,6 @@ def _same(a: Any, b: Any) -> str:
     return f"max |diff| {max(float((x - y).abs().max()) for x, y in pairs):.1e}"
 
 
-def _as_given(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 def _grouped_mlp_before(
     names: list[str], layers: list[nn.Module], weights: dict[str, torch.Tensor], *batch: Any
 ) -> Any:
@@ -141,7 +137,7 @@ def _pairs() -> list[Pair]:
 
     def trunk_plain() -> Any:
         """The trunk with `conv_input` undone (the module global it calls, swapped)."""
-        cohort.conv_input = _as_given
+        cohort.conv_input = nn.Identity()
         try:
             return trunk(trunk_w, trunk_x, trunk_y, ones, full)
         finally:

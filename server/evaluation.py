@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from fl.wire.records import array_to_numpy
+from fl.wire.records import torch_state
 from fl.world.models import conv_input
 from fl.world.task import Task
 
@@ -17,10 +17,7 @@ __all__ = ["evaluate_global"]
 def evaluate_global(task: Task, arrays: ArrayRecord, batch_size: int = 2048) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of `arrays` on the test split, in batches."""
     model = task.model()
-    # read through our npy reader (Flower's `to_torch_state_dict` parses every header)
-    model.load_state_dict(
-        {k: torch.from_numpy(array_to_numpy(a).copy()) for k, a in arrays.items()}
-    )
+    model.load_state_dict(torch_state(arrays))
     model.eval()
     x_all, y_all = task.dataset.x_test, task.dataset.y_test
     correct, loss_sum = 0, 0.0

@@ -45,7 +45,7 @@ from fl.strategy.registry import get_strategy
 from fl.strategy.server import ClientUpdate, ServerStrategy
 from fl.wire.codec import CODEC, Traffic, payload_traffic
 from fl.wire.contract import check_reply_error
-from fl.wire.records import items_of, required_record
+from fl.wire.records import items_of, required_record, torch_state
 from fl.world.clock import VirtualClock, clock_from_config
 from fl.world.population import NodeIds, nodes_by_partition
 from fl.world.task import Task, get_task
@@ -271,7 +271,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "config": plain(cfg),
                     "progress": asdict(progress),
                     "rows": run_log.rows,
-                    "arrays": arrays.to_torch_state_dict(),
+                    "arrays": torch_state(arrays),
                     "strategy": strategy.state_dict(),
                     "nodes": grid.state_dict() if hasattr(grid, "state_dict") else None,
                     "loop": driver.state_dict(),
@@ -283,7 +283,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     privacy.finish()
     if stop and progress.round == 0:
         raise RunError(f"{stop}; no round was trained, so no model was written")
-    final = arrays.to_torch_state_dict()
+    final = torch_state(arrays)
     write_atomic(out_dir / "model.pt", lambda f: torch.save(final, f))
     summary = run_log.finish(privacy.summary())
     reporter.close(summary, out_dir)

@@ -50,7 +50,14 @@ from fl.strategy.updates import (
 from fl.wire.codec import CodecError, content_bytes, declared_traffic, decode, encode_dense
 from fl.wire.cohort_reply import cohort_node_ids, is_cohort_reply, parse_cohort
 from fl.wire.contract import CONTRACT_MISMATCH, NONCE_KEY, check_reply_error, stamp
-from fl.wire.records import Layout, extended_record, new_record, record_of, vector_to_arrays
+from fl.wire.records import (
+    Layout,
+    extended_record,
+    new_record,
+    record_of,
+    torch_state,
+    vector_to_arrays,
+)
 from fl.wire.streaming import streamed_weighted_mean
 from fl.wire.sync import Synced, SyncServer
 
@@ -238,9 +245,10 @@ class ServerStrategy(FedAvg):
     ) -> Iterable[Message]:
         """One train message per selected node, each with its own config and payload,
         stamped with this strategy's name and contract version (`fl.wire.contract`)."""
+        state = torch_state(arrays)
         if self.layout is None:
-            self.layout = Layout.of(arrays.to_torch_state_dict())
-        self.global_vector = self.layout.flatten(arrays.to_torch_state_dict())
+            self.layout = Layout.of(state)
+        self.global_vector = self.layout.flatten(state)
         self._dense_payload = encode_dense(self.global_vector, self.layout)
         first = server_round != self._stats_round  # a round's later exchanges add to it
         if first:

@@ -214,11 +214,10 @@ class VirtualClock:
             return
         self._keys |= keys
         if self._independent:
-            alone = [job for job in jobs if _uploads_at_end(job)]
-            self._schedule(alone)
-            if len(alone) == len(jobs):
-                return
+            self._schedule([job for job in jobs if _uploads_at_end(job)])
             jobs = [job for job in jobs if not _uploads_at_end(job)]
+            if not jobs:
+                return
         where = np.array([job.partition for job in jobs])
         columns = np.zeros((len(_FIELDS), len(_ACTIVITIES), len(jobs)))
         columns[_SINCE], columns[_END] = self.now, math.inf
