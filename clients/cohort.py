@@ -371,9 +371,11 @@ def _trunk_autograd(
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last axis, computed class-major: ATen's CPU kernel along a
-    short last axis (a few classes) is ~10× slower than along the leading axis of the
-    same values; the results agree (bit for bit here; `tests/test_cohort.py` checks them)."""
+    """log_softmax over the last axis, computed class-major: under ATen's AVX-512
+    dispatch (the default on this machine) its kernel along a short last axis (a few
+    classes) is ~9× slower than along the leading axis of the same values, which give the
+    same bits there; under AVX2 both are fast and agree up to rounding (~5e-7;
+    `tests/test_cohort.py` checks the agreement, experiments/RESULTS.md "Issue 37" times it)."""
     classes = logits.shape[-1]
     flat = logits.reshape(-1, classes).t().contiguous()
     return torch.log_softmax(flat, dim=0).t().reshape(logits.shape)

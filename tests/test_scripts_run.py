@@ -87,3 +87,19 @@ def test_the_apf_stability_probe_runs_through_the_public_api(tmp_path):
         and shares["share P < 0.05"] <= shares["share P < 0.2"]
     )
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_kernel_benchmark_compares_each_kernel_with_the_form_it_replaced():
+    """A tiny real run: six rows; the ReLU backward and the gather equal their old forms bit
+    for bit on any CPU, the others at most by rounding (log_softmax's class-major kernel is
+    bit-identical under AVX-512 dispatch, not under the suite's AVX2)."""
+    command = [sys.executable, "experiments/bench_kernels.py", "--repeats", "1", "--calls", "1"]
+    proc = python_run(command, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    rows = [row for row in rows if not row.startswith("| kernel")]
+    assert len(rows) == 6, proc.stdout
+    values = [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows]
+    assert values[1] == values[2] == "bit-identical", rows
+    for value in values:
+        assert value == "bit-identical" or float(value.removeprefix("max |diff| ")) < 1e-5, rows
