@@ -489,3 +489,28 @@ def test_jobs_that_cannot_meet_are_scheduled_as_their_events_would_end_them(monk
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert resumed.in_flight() == whole.in_flight()
     assert drain(resumed) == drain(whole)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("arrived_s", math.nan),
+        ("arrived_s", 0.5),  # before the saved `now`: not yet to come
+        ("partition", 40),  # no such device
+        ("computed_s", 1e9),  # after its own arrival
+        ("key", 3),  # a key already in flight
+        ("dropped", True),
+    ],
+)
+def test_a_tampered_checkpoint_arrival_is_refused(field, value):
+    """The clock's saved arrivals come from a file: each is checked before it is kept."""
+    profiles = build_profiles(40, seed=3, speed=60.0, up_mbps=0.8, down_mbps=3.0)
+    clock = VirtualClock(profiles, seed=1, now=1.25)
+    clock.submit_many([Job(k, k, 10_000, 50 + k, ((1.0, 8_000),)) for k in range(4)])
+    state = json.loads(json.dumps(clock.state_dict()))
+    resumed = VirtualClock(profiles, seed=1)
+    resumed.load_state_dict(state)  # as saved: taken
+    assert resumed.in_flight() == [0, 1, 2, 3]
+    state["scheduled"][0][field] = value
+    with pytest.raises(ValueError, match="clock state"):
+        VirtualClock(profiles, seed=1).load_state_dict(state)

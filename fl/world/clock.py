@@ -354,13 +354,38 @@ class VirtualClock:
         table = np.array(columns, dtype=float).reshape(-1, len(_FIELDS), len(_ACTIVITIES))
         self._table = np.ascontiguousarray(table.transpose(1, 2, 0))
         self._drops = np.array([s["drop_s"] for s in state["jobs"]], dtype=float)
-        self._arrived = [Arrival(**a) for a in state["arrived"]]
-        scheduled = [Arrival(**a) for a in state.get("scheduled", [])]
+        self._arrived = [self._saved_arrival(a, due=True) for a in state["arrived"]]
+        scheduled = [self._saved_arrival(a, due=False) for a in state.get("scheduled", [])]
         self._scheduled = [(a.arrived_s, a.key, a) for a in scheduled]
         heapq.heapify(self._scheduled)
-        self._keys = {f.job.key for f in self._flights} | {a.key for a in self._arrived}
-        self._keys |= {a.key for a in scheduled}
+        keys = [f.job.key for f in self._flights] + [a.key for a in self._arrived + scheduled]
+        if len(set(keys)) != len(keys):
+            raise ValueError("clock state: a job key appears twice")
+        self._keys = set(keys)
         self._changed = [False] * len(_ACTIVITIES)  # state_dict shared the link before saving
+
+    def _saved_arrival(self, saved: Mapping[str, Any], *, due: bool) -> Arrival:
+        """A checkpoint's arrival, checked (the file is untrusted): its ids, a known
+        partition, phases in order, and its time reached (`due`) or yet to come."""
+        arrival = Arrival(**saved)
+        phases = (arrival.sent_s, arrival.downloaded_s, arrival.computed_s, arrival.arrived_s)
+        numbers = all(isinstance(t, int | float) and not isinstance(t, bool) for t in phases)
+        ordered = numbers and all(  # a phase never reached (a drop's) stays inf
+            arrival.sent_s <= t <= arrival.arrived_s for t in phases if t != math.inf
+        )
+        ok = (
+            type(arrival.key) is int
+            and type(arrival.partition) is int
+            and 0 <= arrival.partition < len(self.profiles)
+            and isinstance(arrival.dropped, bool)
+            and ordered
+            and math.isfinite(arrival.arrived_s)
+            and (arrival.arrived_s <= self.now if due else arrival.arrived_s >= self.now)
+            and (due or not arrival.dropped)
+        )
+        if not ok:
+            raise ValueError(f"clock state: a bad {'arrival' if due else 'scheduled job'}: {saved}")
+        return arrival
 
     # ----- simulation -------------------------------------------------------------------
     def _drop_s(self, partition: int, t: float) -> float:
