@@ -1,5 +1,6 @@
 """Flat-vector layouts and payload codecs: round trips and byte accounting."""
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
@@ -175,3 +176,32 @@ def test_new_record_is_flowers_record_with_flowers_checks(kind, items, bad):
         new_record(record_type, bad)
     with pytest.raises(TypeError):
         new_record(record_type, {7: next(iter(items.values()))})
+
+
+@pytest.mark.parametrize("kind", ["ConfigRecord", "MetricRecord"])
+def test_new_record_accepts_and_refuses_each_value_as_flower_does(kind):
+    # the plain-type shortcut must change no outcome: subclasses (numpy's float64 is a
+    # float, bool an int) and look-alikes (numpy's bool_) still meet Flower's own check
+    import enum
+
+    import flwr.app
+
+    from fl.wire.records import extended_record, new_record
+
+    class Level(enum.IntEnum):
+        LOW = 1
+
+    record_type = getattr(flwr.app, kind)
+    values = [1, 1.5, float("nan"), "s", b"b", True, np.float64(2.0), np.int64(3)]
+    values += [np.bool_(True), Level.LOW, None, [1, 2], [True], [], object()]
+    for value in values:
+        try:
+            flowers = record_type({"v": value})
+        except TypeError:
+            with pytest.raises(TypeError):
+                new_record(record_type, {"v": value})
+            with pytest.raises(TypeError):
+                extended_record(record_type(), {"v": value})
+            continue
+        assert new_record(record_type, {"v": value}) == flowers, value
+        assert extended_record(record_type(), {"v": value}) == flowers, value

@@ -7,6 +7,7 @@ tampers with one client's reply after it trained (partition 0), as a hostile cli
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -301,3 +302,12 @@ def test_safe_privacy_and_strategy_pairs_pass_validation():
 def test_central_dp_with_a_robust_aggregation_is_refused():
     with pytest.raises(ConfigError, match="needs aggregation=mean"):
         validate(compose(["privacy=central", "aggregation=median"]))
+
+
+def test_a_metric_is_finite_only_without_nan_or_inf_in_it():
+    from fl.strategy.updates import finite_metric
+
+    for value in (0, 3, True, 1.5, -2.0, [], [1, 2], [0.5, 1e30], "text"):
+        assert finite_metric(value), value
+    for value in (math.nan, math.inf, -math.inf, [1.0, math.nan], [math.inf], [0.0, -math.inf]):
+        assert not finite_metric(value), value

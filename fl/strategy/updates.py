@@ -86,8 +86,9 @@ PAYLOAD_FACTOR, PAYLOAD_SLACK = 4, 2**20
 
 def finite_metric(value: Any) -> bool:
     """A MetricRecord value (a number or a list of numbers) with no NaN or Inf in it."""
-    values = value if isinstance(value, list) else [value]
-    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
+    if isinstance(value, list):
+        return all(not isinstance(v, float) or math.isfinite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def reply_limit(layout: Layout) -> int:

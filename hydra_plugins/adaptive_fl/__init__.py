@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import importlib.util
 import logging
+import sys
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,22 @@ GROUP = "fl.strategies"
 PROJECT_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
+def _installed() -> tuple[EntryPoint, ...]:
+    """The `fl.strategies` entry points on the current import path."""
+    return _installed_on(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _installed_on(path: tuple[str, ...]) -> tuple[EntryPoint, ...]:
+    """Scanned once per import path: reading every distribution's metadata costs ~15 ms, and
+    a run asks for these on each of its (three) compositions and its choice checks."""
+    return tuple(entry_points(group=GROUP))
+
+
 def plugin_conf_dirs() -> list[Path]:
     """The `conf/` folder beside each `fl.strategies` entry point's module, where one exists."""
     found: list[Path] = []
-    for entry in entry_points(group=GROUP):
+    for entry in _installed():
         try:
             spec = importlib.util.find_spec(entry.module)
         except (ImportError, ValueError):
@@ -62,7 +75,7 @@ def plugin_conf_dirs() -> list[Path]:
 
 def strategy_names() -> list[str]:
     """Names of the installed strategies (entry points), none of them imported."""
-    return sorted({entry.name for entry in entry_points(group=GROUP)})
+    return sorted({entry.name for entry in _installed()})
 
 
 def without_config() -> list[EntryPoint]:
@@ -70,7 +83,7 @@ def without_config() -> list[EntryPoint]:
     roots = [PROJECT_CONF, *plugin_conf_dirs()]
     return [
         entry
-        for entry in entry_points(group=GROUP)
+        for entry in _installed()
         if not any((root / "strategy" / f"{entry.name}.yaml").is_file() for root in roots)
     ]
 
