@@ -514,3 +514,45 @@ def test_a_tampered_checkpoint_arrival_is_refused(field, value):
     state["scheduled"][0][field] = value
     with pytest.raises(ValueError, match="clock state"):
         VirtualClock(profiles, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("now",), math.nan),
+        (("key",), "9"),
+        (("partition",), 40),  # no such device
+        (("samples",), -1),
+        (("uploads",), [[1.5, 8_000]]),  # more than the whole update
+        (("uploads",), [[1.0, 8_000], [0.5, 10]]),  # parts out of order
+        (("sent_s",), 9.0),  # sent after the saved `now`
+        (("downloaded_s",), math.nan),
+        (("downloaded_s",), 0.5),  # before it was sent
+        (("part",), 2),  # past its last upload part
+        (("sending",), 1),
+        (("drop_s",), math.nan),
+        (("download", "rate"), -1.0),
+        (("compute", "done"), 1e6),  # past its goal
+        (("compute", "since"), math.inf),
+        (("upload", "end"), 0.0),  # ends before it began
+        (("upload",), {"done": 0.0}),  # a field missing
+    ],
+)
+def test_a_tampered_checkpoint_job_in_flight_is_refused(path, value):
+    """The clock's jobs in flight come from a file too: each is checked before it is kept."""
+    profiles = build_profiles(40, seed=3, speed=60.0, up_mbps=0.8, down_mbps=3.0)
+    shared = {"seed": 1, "server_bytes_per_s": 1e5}  # a shared link: jobs stay in flight
+    clock = VirtualClock(profiles, now=1.25, **shared)
+    clock.submit_many([Job(k, k, 10_000, 50 + k, ((1.0, 8_000),)) for k in range(4)])
+    clock.wait(0.5)
+    state = json.loads(json.dumps(clock.state_dict()))
+    assert len(state["jobs"]) == 4
+    resumed = VirtualClock(profiles, **shared)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # as saved: taken
+    assert resumed.in_flight() == clock.in_flight()
+    target = state if path == ("now",) else state["jobs"][0]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ValueError, match="clock state"):
+        VirtualClock(profiles, **shared).load_state_dict(state)

@@ -115,6 +115,29 @@ def _max_min_rates(caps: np.ndarray, capacity: float) -> np.ndarray:
     return np.minimum(caps, fair[unsaturated[0]])
 
 
+def _number(value: Any) -> bool:
+    """A real number, not NaN (bool is not a number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _activity_ok(
+    done: Any, goal: Any, rate: Any, since: Any, end: Any, cap: Any, now: float
+) -> bool:
+    """A saved activity's row (`_FIELDS`) that the clock could have written by `now`:
+    progress within its goal, a finite rate, begun by now, ending no earlier than begun."""
+    if not all(_number(v) for v in (done, goal, rate, since, end, cap)):
+        return False
+    return (
+        0 <= goal < math.inf
+        and 0 <= done <= goal * (1 + 1e-9) + 1e-9  # (rounding of its last progress)
+        and 0 <= rate < math.inf
+        and cap >= 0
+        and since <= now
+        and math.isfinite(since)
+        and end >= since
+    )
+
+
 class VirtualClock:
     """Simulated seconds since the start of training, advanced by rounds or by events."""
 
@@ -342,13 +365,13 @@ class VirtualClock:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from what `state_dict` returned."""
-        self.now = float(state["now"])
+        now = state["now"]
+        if not (_number(now) and math.isfinite(now) and now >= 0):
+            raise ValueError(f"clock state: a bad time now: {now!r}")
+        self.now = float(now)
         self._flights, columns = [], []
         for s in state["jobs"]:
-            uploads = tuple((float(f), int(b)) for f, b in s["uploads"])
-            job = Job(s["key"], s["partition"], s["down_bytes"], s["samples"], uploads)
-            flight = _Flight(job, s["sent_s"], s["downloaded_s"], s["computed_s"])
-            flight.part, flight.sending = s["part"], s["sending"]
+            flight = self._saved_flight(s)
             self._flights.append(flight)
             columns.append([[s[name][field] for name in _ACTIVITIES] for field in _FIELDS])
         table = np.array(columns, dtype=float).reshape(-1, len(_FIELDS), len(_ACTIVITIES))
@@ -363,6 +386,49 @@ class VirtualClock:
             raise ValueError("clock state: a job key appears twice")
         self._keys = set(keys)
         self._changed = [False] * len(_ACTIVITIES)  # state_dict shared the link before saving
+
+    def _saved_flight(self, saved: Mapping[str, Any]) -> _Flight:
+        """A checkpoint's job in flight, checked (the file is untrusted): its ids, a known
+        partition, sizes and upload parts, phases passed in order by now, and each
+        activity's progress (no NaN, nothing negative, nothing begun after now, done within
+        its goal)."""
+        try:
+            uploads = tuple((f, b) for f, b in saved["uploads"])
+            job = Job(
+                saved["key"], saved["partition"], saved["down_bytes"], saved["samples"], uploads
+            )
+            flight = _Flight(job, saved["sent_s"], saved["downloaded_s"], saved["computed_s"])
+            flight.part, flight.sending = saved["part"], saved["sending"]
+            activities = [saved[name] for name in _ACTIVITIES]
+            fields = [[a[field] for field in _FIELDS] for a in activities]
+            drop_s = saved["drop_s"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"clock state: a bad job in flight: {saved}") from None
+        fractions = [f for f, _ in uploads]
+        times = (flight.downloaded_s, flight.computed_s, drop_s)
+        ok = (
+            all(type(n) is int and n >= 0 for n in (job.key, job.down_bytes, job.samples))
+            and type(job.partition) is int
+            and 0 <= job.partition < len(self.profiles)
+            and all(_number(f) and 0 <= f <= 1 for f in fractions)
+            and fractions == sorted(fractions)
+            and all(type(b) is int and b >= 0 for _, b in uploads)
+            and type(flight.part) is int
+            and 0 <= flight.part <= len(uploads)
+            and isinstance(flight.sending, bool)
+            and _number(flight.sent_s)
+            and 0 <= flight.sent_s <= self.now
+            and all(
+                _number(t) and (t == math.inf or flight.sent_s <= t <= self.now) for t in times[:2]
+            )
+            and (flight.computed_s == math.inf or flight.downloaded_s <= flight.computed_s)
+            and _number(drop_s)
+            and drop_s >= flight.sent_s
+            and all(_activity_ok(*values, self.now) for values in fields)
+        )
+        if not ok:
+            raise ValueError(f"clock state: a bad job in flight: {saved}")
+        return flight
 
     def _saved_arrival(self, saved: Mapping[str, Any], *, due: bool) -> Arrival:
         """A checkpoint's arrival, checked (the file is untrusted): its ids, a known
