@@ -14,10 +14,10 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import train_in_process, without_wall_time
+from conftest import read_metrics, train_in_process, without_wall_time
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fl.common.config import compose
+from fl.common.config import compose, to_run_config
 from fl.run.checkpoint import load_checkpoint, save_checkpoint
 from fl.run.engines.local import LocalGrid
 from fl.run.engines.node_states import NodeStateError, NodeStates
@@ -202,3 +202,35 @@ def test_a_spill_file_that_lost_its_table_is_one_clear_error(tmp_path):
     with pytest.raises(NodeStateError):
         states.put(8, RecordDict({"meta": ConfigRecord({"version": 1})}))
     states.close()
+
+
+@pytest.mark.parametrize(("per_round", "built_first"), [(30, 30), (10, 0)])
+def test_a_run_that_trains_every_client_builds_them_before_round_one(
+    tmp_path, monkeypatch, per_round, built_first
+):
+    """Full participation: the local engine builds the generated population before round 1
+    (a loaded dataset is built before training too), into the task the clients read; the
+    run's numbers are those of clients built when first asked. A sampled run builds none."""
+    from fl.run.engines import local
+    from fl.world.task import Task
+
+    built: list[int] = []
+    lazy = Task.build_clients
+
+    def recorded(task: Task) -> int:
+        built.append(lazy(task))
+        return built[-1]
+
+    def run(folder: str) -> list[dict[str, object]]:
+        overrides = [*SMALL_TASK, "num_clients=30", f"clients_per_round={per_round}", "rounds=2"]
+        cfg = compose([*overrides, f"output_dir={tmp_path / folder}", "progress=false"])
+        local.run_local(cfg, to_run_config(cfg))
+        return without_wall_time(read_metrics(tmp_path / folder))
+
+    monkeypatch.setattr(Task, "build_clients", recorded)
+    before = run("built")
+    assert built == ([built_first] if built_first else [])
+    task = get_task(compose([*SMALL_TASK, "num_clients=30"]))
+    assert len(task._generated) == 30 or not built_first
+    monkeypatch.setattr(Task, "build_clients", lambda task: 0)  # as before: when asked
+    assert run("lazy") == before

@@ -160,6 +160,18 @@ class Task:
         per_sample = self.devices.dim * 4 + 8  # float32 features, an int64 label
         return int(self.devices.train_sizes.sum()) * per_sample <= GENERATED_CACHE_BYTES
 
+    def build_clients(self) -> int:
+        """Every generated client's training data made now, where the population fits the
+        cache (as `client_data` would make it, device by device): a run whose first round
+        trains every client builds its population before that round, as a loaded dataset
+        is built before training. Returns the clients built (0: not a generated task, or
+        too large to keep)."""
+        if self.devices is None or not self._keeps_generated:
+            return 0
+        for partition in range(self.devices.num_devices):
+            self.client_data(partition)
+        return self.devices.num_devices
+
     def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The train tensors of one client, on the task's device."""
         if self.devices is not None:

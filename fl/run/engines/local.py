@@ -284,10 +284,13 @@ def run_local(cfg: Any, run_config: dict[str, Any], apps: Apps | None = None) ->
     """Run `apps.server` against a LocalGrid of `cfg.num_clients` `apps.client` nodes
     (default: the project's ServerApp and ClientApp, as before `apps` was added)."""
     from fl.run.console import flower_logs_once  # the server's side: tqdm, not on edge clients
+    from fl.world.task import get_task  # (built by preflight: cached)
 
     apps = apps or Apps.load()
     flower_logs_once()  # a Flower strategy's lines (strategy=flower): once each, not twice
     _freeze_imports()
+    if cfg.clients_per_round >= cfg.num_clients:  # round 1 needs every client's data
+        get_task(cfg).build_clients()  # (after the freeze: a sweep's next job frees it)
     cohort = cfg.engine.get("cohort", "off") == "auto"
     if not cohort and cfg.clients_per_round >= COHORT_HINT_CLIENTS:
         log.info(
