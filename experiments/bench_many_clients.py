@@ -14,10 +14,11 @@ in Flower's 2 Ray actors, which are separate processes started inside its run (t
 is part of Flower's in-process time; Flower is compared on CPU seconds and paired walls,
 start-up included for every arm). Every arm builds its clients' data before its timer:
 plain and Flower in their own code, ours because every client trains in round 1, which
-makes the local engine build the population first (`Task.build_clients`; until 2026-12-06
-ours made each client's data inside round 1, ~12 % of the cohort's three rounds, labelled
-then as a difference). Our arms write no plots (`plots=false`) and one checkpoint, after the last round
-and outside their in-process timer (`checkpoint_every=rounds`). Ratios are paired: each
+makes the local engine build the population first (`Task.build_clients`; until
+2026-12-06 ours made each client's data inside round 1, ~12 % of the cohort's three
+rounds, labelled then as a difference). Our arms write no plots (`plots=false`) and one
+checkpoint, after the last round and outside their in-process timer
+(`checkpoint_every=rounds`). Ratios are paired: each
 repeat runs every arm once, interleaved, and a ratio is the median of the repeats' ratios.
 The matmul ceiling (GFLOP/s of one single-threaded MKL matmul, measured here) puts each
 arm's training FLOPs in proportion: the fraction of the ceiling its rounds reach.
