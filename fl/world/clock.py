@@ -120,11 +120,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
-def _activity_ok(
-    done: Any, goal: Any, rate: Any, since: Any, end: Any, cap: Any, now: float
-) -> bool:
+def _activity_ok(row: Sequence[Any], now: float) -> bool:
     """A saved activity's row (`_FIELDS`) that the clock could have written by `now`:
     progress within its goal, a finite rate, begun by now, ending no earlier than begun."""
+    done, goal, rate, since, end, cap = row
     if not all(_number(v) for v in (done, goal, rate, since, end, cap)):
         return False
     return (
@@ -424,7 +423,7 @@ class VirtualClock:
             and (flight.computed_s == math.inf or flight.downloaded_s <= flight.computed_s)
             and _number(drop_s)
             and drop_s >= flight.sent_s
-            and all(_activity_ok(*values, self.now) for values in fields)
+            and all(_activity_ok(row, self.now) for row in fields)
         )
         if not ok:
             raise ValueError(f"clock state: a bad job in flight: {saved}")
