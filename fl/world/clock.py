@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from fl.common.config import ConfigError, check_number, require
+from fl.common.config import ConfigError, check_number, is_finite, require
 from fl.world.devices import MBIT, DeviceProfile, Profiles, build_profiles
 from fl.world.traces import AvailabilityTrace, SpeedTrace, ToggleTrace
 
@@ -115,24 +115,23 @@ def _max_min_rates(caps: np.ndarray, capacity: float) -> np.ndarray:
     return np.minimum(caps, fair[unsaturated[0]])
 
 
-def _number(value: Any) -> bool:
-    """A real number, not NaN (bool is not a number here)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+def _time_or_never(value: Any) -> bool:
+    """A saved time (or bound) that is finite, or inf: not reached, no cap."""
+    return is_finite(value) or value == math.inf
 
 
 def _activity_ok(row: Sequence[Any], now: float) -> bool:
     """A saved activity's row (`_FIELDS`) that the clock could have written by `now`:
     progress within its goal, a finite rate, begun by now, ending no earlier than begun."""
     done, goal, rate, since, end, cap = row
-    if not all(_number(v) for v in (done, goal, rate, since, end, cap)):
-        return False
     return (
-        0 <= goal < math.inf
+        all(is_finite(v) for v in (done, goal, rate, since))
+        and _time_or_never(end)
+        and _time_or_never(cap)
         and 0 <= done <= goal * (1 + 1e-9) + 1e-9  # (rounding of its last progress)
-        and 0 <= rate < math.inf
+        and rate >= 0
         and cap >= 0
         and since <= now
-        and math.isfinite(since)
         and end >= since
     )
 
@@ -365,7 +364,7 @@ class VirtualClock:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from what `state_dict` returned."""
         now = state["now"]
-        if not (_number(now) and math.isfinite(now) and now >= 0):
+        if not (is_finite(now) and now >= 0):
             raise ValueError(f"clock state: a bad time now: {now!r}")
         self.now = float(now)
         self._flights, columns = [], []
@@ -404,24 +403,24 @@ class VirtualClock:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"clock state: a bad job in flight: {saved}") from None
         fractions = [f for f, _ in uploads]
-        times = (flight.downloaded_s, flight.computed_s, drop_s)
         ok = (
             all(type(n) is int and n >= 0 for n in (job.key, job.down_bytes, job.samples))
             and type(job.partition) is int
             and 0 <= job.partition < len(self.profiles)
-            and all(_number(f) and 0 <= f <= 1 for f in fractions)
+            and all(is_finite(f) and 0 <= f <= 1 for f in fractions)
             and fractions == sorted(fractions)
             and all(type(b) is int and b >= 0 for _, b in uploads)
             and type(flight.part) is int
             and 0 <= flight.part <= len(uploads)
             and isinstance(flight.sending, bool)
-            and _number(flight.sent_s)
+            and is_finite(flight.sent_s)
             and 0 <= flight.sent_s <= self.now
             and all(
-                _number(t) and (t == math.inf or flight.sent_s <= t <= self.now) for t in times[:2]
+                _time_or_never(t) and (t == math.inf or flight.sent_s <= t <= self.now)
+                for t in (flight.downloaded_s, flight.computed_s)
             )
             and (flight.computed_s == math.inf or flight.downloaded_s <= flight.computed_s)
-            and _number(drop_s)
+            and _time_or_never(drop_s)
             and drop_s >= flight.sent_s
             and all(_activity_ok(row, self.now) for row in fields)
         )
@@ -434,8 +433,9 @@ class VirtualClock:
         partition, phases in order, and its time reached (`due`) or yet to come."""
         arrival = Arrival(**saved)
         phases = (arrival.sent_s, arrival.downloaded_s, arrival.computed_s, arrival.arrived_s)
-        numbers = all(isinstance(t, int | float) and not isinstance(t, bool) for t in phases)
-        ordered = numbers and all(  # a phase never reached (a drop's) stays inf
+        ordered = all(
+            _time_or_never(t) for t in phases
+        ) and all(  # a phase never reached (a drop's) stays inf
             arrival.sent_s <= t <= arrival.arrived_s for t in phases if t != math.inf
         )
         ok = (
