@@ -12,14 +12,25 @@ import yaml
 from experiments import room_table
 
 
-def _run(sweep: Path, job: int, arm: str, seed: int, rows: list[tuple[float, float]]) -> None:
-    """A finished run: its overrides, one metrics row per (virtual time, accuracy)."""
+def _run(
+    sweep: Path, job: int, arm: str, seed: int, rows: list[tuple[float, float]], per_round: int = 0
+) -> None:
+    """A finished run: its overrides, one metrics row per (virtual time, accuracy), each
+    round sending `per_round` bytes up and as many down."""
     folder = sweep / str(job)
     (folder / ".hydra").mkdir(parents=True)
     overrides = [arm, f"seed={seed}", "experiment=gift_room"]
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     lines = [
-        json.dumps({"round": r + 1, "virtual_time_s": t, "accuracy": a})
+        json.dumps(
+            {
+                "round": r + 1,
+                "virtual_time_s": t,
+                "accuracy": a,
+                "cum_bytes_up": per_round * (r + 1),
+                "cum_bytes_down": per_round * (r + 1),
+            }
+        )
         for r, (t, a) in enumerate(rows)
     ]
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -62,7 +73,7 @@ def test_the_command_prints_and_writes_json(tmp_path, capsys):
     args = [str(sweep), "--reference", "strategy=fedavg", "--window", "2", "--equal-time"]
     assert room_table.main([*args, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| strategy=gift | 0,1 | +6.00 [+6.00, +6.00]" in printed
+    assert "| strategy=gift − strategy=fedavg | 0,1 | +6.00 [+6.00, +6.00]" in printed
     assert json.loads(out.read_text())["arms"]["strategy=gift"]["seeds"] == ["0", "1"]
 
 
@@ -88,3 +99,68 @@ def test_too_few_rounds_by_the_budget_is_an_error(tmp_path):
         room_table.paired(arms, "strategy=fedavg", 6, equal_time=True)
     with pytest.raises(ValueError, match="no arm"):
         room_table.paired(arms, "strategy=pas", 2, equal_time=False)
+
+
+def _grafts(tmp_path: Path) -> Path:
+    """Three seeds of an original and its graft over 10 rounds of 1 s: the graft sends 0.6×
+    the original's bytes and ends 1 point below it (seed 2: 3 below)."""
+    sweep, job = tmp_path / "grafts", 0
+    for seed in (0, 1, 2):
+        original = [(r + 1.0, 0.5 + 0.01 * r) for r in range(10)]
+        drop = 0.03 if seed == 2 else 0.01
+        graft = [(t, a - drop) for t, a in original]
+        for arm, rows, sent in (("strategy=apf", original, 100), ("strategy=graft_apf", graft, 60)):
+            _run(sweep, job, arm, seed, rows, per_round=sent)
+            job += 1
+    return sweep
+
+
+def test_a_pair_with_its_own_reference_and_its_bytes(tmp_path, capsys):
+    arms = room_table.seed_arms(room_table.find_runs(_grafts(tmp_path)))
+    pairs = [("strategy=graft_apf", "strategy=apf")]
+    result = room_table.paired(arms, None, 2, equal_time=False, pairs=pairs, sent=True)
+    graft = result["arms"]["strategy=graft_apf"]
+    assert graft["reference"] == "strategy=apf"
+    assert graft["deltas"] == pytest.approx([-1.0, -1.0, -3.0])
+    assert graft["bytes"]["ratios"] == pytest.approx([0.6, 0.6, 0.6])
+    assert room_table.ratio_verdict(graft["bytes"], 1.0) == "reproduces"
+    assert room_table.ratio_verdict(graft["bytes"], 0.5) == "does not reproduce"
+    args = [str(tmp_path / "grafts"), "--pair", *pairs[0], "--window", "2", "--bytes"]
+    assert room_table.main([*args, "--bar", "-1"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| strategy=graft_apf − strategy=apf | 0,1,2 | -1.67 [")
+    assert row.endswith("| 0.60 [0.60, 0.60] | 0.600 / 0.600 / 0.600 | reproduces |")
+
+
+def test_bytes_to_target(tmp_path):
+    """The target is the reference's last-2 mean (0.585) minus 1 point: 0.575, which the
+    original reaches at its round 9 (0.58) and the graft (1 point lower) at round 10, except
+    on seed 2 (3 points lower: never)."""
+    arms = room_table.seed_arms(room_table.find_runs(_grafts(tmp_path)))
+    result = room_table.to_target(arms, "strategy=apf", 2, margin=1.0, reach=1)
+    assert result["target"] == pytest.approx(0.575)
+    graft = result["arms"]["strategy=graft_apf"]
+    assert graft["seeds"] == ["0", "1"] and graft["missed"] == ["2"]
+    assert graft["ratios"] == pytest.approx([0.6 * 10 / 9] * 2)
+    # 0.667 < 1 on every seed that reached it, but one seed missed: not "reproduces"
+    assert room_table.ratio_verdict(graft, 1.0) == "inconclusive"
+    assert room_table.ratio_verdict({**graft, "missed": ["2", "3", "4"]}, 1.0) == (
+        "does not reproduce"
+    )
+    assert room_table.ratio_verdict({**graft, "missed": []}, 1.0) == "reproduces"
+    # by a 3-round trailing mean the original reaches 0.575 at round 10, the graft never
+    trailing = room_table.to_target(arms, "strategy=apf", 2, margin=1.0, reach=3)
+    graft = trailing["arms"]["strategy=graft_apf"]
+    assert graft["missed"] == ["0", "1", "2"] and graft["ratios"] == []
+    assert room_table.ratio_verdict(graft, 1.0) == "does not reproduce"
+
+
+def test_bytes_that_go_back_are_refused(tmp_path):
+    sweep = _grafts(tmp_path)
+    path = sweep / "1" / "metrics.jsonl"  # the graft, seed 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[5]["cum_bytes_up"] = 0
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    arms = room_table.seed_arms(room_table.find_runs(sweep))
+    with pytest.raises(ValueError, match="run 1: round 6's bytes go back"):
+        room_table.to_target(arms, "strategy=apf", 2, margin=1.0, reach=5)
