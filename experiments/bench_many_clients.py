@@ -2,7 +2,9 @@
 and as one cohort: `engine.cohort=auto`) vs vanilla Flower (`run_simulation`, 2 Ray actors);
 with `--arms`, also ours on Flower's Ray simulation like vanilla Flower's arm (`sim`: a
 message per node; `sim_cohort`: `engine.cohort=auto`, a round as two envelopes, each trained
-as one cohort by one actor).
+as one cohort by one actor), and `imports`: a process that imports the modules the cohort
+arm's run imported, in its order, and runs nothing (the floor of the cohort's CPU seconds;
+Flower's CPU seconds ÷ it are the most the issue-37 CPU goal could reach).
 
 What every arm does alike: the same workload (Synthetic-IID, 20 features, 10 classes,
 MLP 20-32-10, one epoch of batch-16 SGD per client; the model learns: chance, the majority
@@ -53,7 +55,7 @@ import psutil
 from fl.common.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = ("plain", "ours", "cohort", "flower", "sim", "sim_cohort")
+ARMS = ("plain", "ours", "cohort", "imports", "flower", "sim", "sim_cohort")
 DEFAULT_ARMS = ("plain", "ours", "cohort", "flower")
 OURS = ("ours", "cohort", "sim", "sim_cohort")  # fl-run arms; *cohort: engine.cohort=auto
 ON_RAY = ("flower", "sim", "sim_cohort")  # 2 Ray actors, in a loopback-only namespace
@@ -66,10 +68,23 @@ BATCH_SIZE, LOCAL_EPOCHS = 16, 1
 WARM_RUN = 'import sys, torch._dynamo; from fl.run.cli import main; sys.argv[0] = "fl-run"; main()'
 # the cohort arm trains without torch.optim and never imports torch._dynamo (~1 CPU s): it
 # starts without it, and fails if a run of it imported it after all (then warm it again)
+# (and leaves the names of the modules it imported, in order, where BENCH_MODULES says)
 COHORT_RUN = (
     'import sys; from fl.run.cli import main; sys.argv[0] = "fl-run"; main(); '
-    'assert "torch._dynamo" not in sys.modules, "the cohort arm imported torch._dynamo"'
+    'assert "torch._dynamo" not in sys.modules, "the cohort arm imported torch._dynamo"; '
+    "import json, os, pathlib; pathlib.Path(os.environ['BENCH_MODULES']).write_text("
+    "json.dumps(list(sys.modules)))"
 )
+# the floor of the cohort arm's CPU seconds: the modules its run imported, imported in the
+# same order and nothing run (a few extensions' private names import only through their
+# package: skipped)
+IMPORTS_RUN = """import importlib, json, os, pathlib
+for name in json.loads(pathlib.Path(os.environ["BENCH_MODULES"]).read_text()):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+"""
 CHECK_GOALS = {"cohort_ratio": 0.12, "flower_cpu": 25.0, "rss_mb": 1024.0}
 SAMPLE_EVERY_S = 0.2
 PR_SET_CHILD_SUBREAPER = 36
@@ -415,6 +430,8 @@ def measure(run: Run, env: dict[str, str], log_path: Path, timeout_s: float) -> 
 def arm_command(arm: str, clients: int, rounds: int, result: Path, run_dir: Path) -> list[str]:
     """The command line of one arm; arms on Ray run in a loopback-only namespace."""
     python = sys.executable
+    if arm == "imports":
+        return [python, "-c", IMPORTS_RUN]
     if arm in OURS:
         command = [
             python,
@@ -468,6 +485,7 @@ def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> R
     run = Run(arm, repeat, arm_command(arm, args.clients, args.rounds, result, run_dir))
     env = {**os.environ, **OFFLINE_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["BENCH_MODULES"] = str(log_dir / "cohort_modules.json")  # the cohort's, for `imports`
     log_path = log_dir / f"{arm}_n{args.clients}_r{repeat}.log"
     run.waited_s = wait_for_quiet(args.quiet_wait)
     measure(run, env, log_path, args.timeout)
@@ -484,17 +502,23 @@ def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> R
 # ----- report -------------------------------------------------------------------------------
 
 
+def _succeeded(run: Run) -> bool:
+    """Exited cleanly and, where the arm trains, reported its accuracy."""
+    return run.returncode == 0 and (run.accuracy is not None or run.arm == "imports")
+
+
 def summarize(runs: list[Run], flops: float, gflops: float) -> dict[str, dict[str, Any]]:
     """Per arm: medians and ranges over its successful repeats, and the fraction of the
     matmul ceiling (`gflops`) its training FLOPs (`flops`, all rounds) reach in its rounds."""
     out: dict[str, dict[str, Any]] = {}
     for arm in ARMS:
-        ok = [r for r in runs if r.arm == arm and r.returncode == 0 and r.accuracy is not None]
+        ok = [r for r in runs if r.arm == arm and _succeeded(r)]
         if not ok:
             continue
         walls = [r.wall_s for r in ok]
         inproc = [r.in_process_s for r in ok if r.in_process_s is not None]
         median_inproc = statistics.median(inproc) if inproc else None
+        accuracies = [r.accuracy for r in ok if r.accuracy is not None]
         out[arm] = {
             "runs": len(ok),
             "failed": sum(r.arm == arm for r in runs) - len(ok),
@@ -508,7 +532,7 @@ def summarize(runs: list[Run], flops: float, gflops: float) -> dict[str, dict[st
             "peak_rss_mb": statistics.median(r.peak_rss_mb for r in ok),
             "peak_pss_mb": statistics.median(r.peak_pss_mb for r in ok),
             "processes": max(r.max_processes for r in ok),
-            "accuracy": statistics.median(r.accuracy for r in ok if r.accuracy is not None),
+            "accuracy": statistics.median(accuracies) if accuracies else None,
             "ceiling_fraction": flops / (median_inproc * gflops * 1e9) if median_inproc else None,
         }
     return out
@@ -516,7 +540,7 @@ def summarize(runs: list[Run], flops: float, gflops: float) -> dict[str, dict[st
 
 def paired(runs: list[Run], arm: str, base: str, key: str) -> float | None:
     """Median over repeats of `arm`'s `key` / `base`'s in the same repeat (both succeeded)."""
-    by = {(r.arm, r.repeat): r for r in runs if r.returncode == 0 and r.accuracy is not None}
+    by = {(r.arm, r.repeat): r for r in runs if _succeeded(r)}
     ratios = [
         getattr(by[(arm, k)], key) / getattr(by[(base, k)], key)
         for (name, k) in by
@@ -540,11 +564,12 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         inproc = f"{s['in_process_s']:.2f}" if s["in_process_s"] is not None else "–"
         ceiling = f"{100 * s['ceiling_fraction']:.2f}" if s["ceiling_fraction"] else "–"
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
+        accuracy = f"{s['accuracy']:.4f}" if s["accuracy"] is not None else "–"
         lines.append(
             f"| {arm}{failed} | {s['wall_s']:.2f} ({s['wall_min_s']:.2f}–{s['wall_max_s']:.2f}) "
             f"| {inproc} | {s['cpu_s']:.1f} | {s['foreign_cpu_s']:.1f} | {s['load1']:.1f} "
             f"| {s['peak_rss_mb']:.0f} | {s['peak_pss_mb']:.0f} | {s['processes']} "
-            f"| {ceiling} | {s['accuracy']:.4f} |"
+            f"| {ceiling} | {accuracy} |"
         )
     return "\n".join(lines)
 
@@ -583,6 +608,18 @@ def verdicts(summary: dict[str, dict[str, Any]], runs: list[Run]) -> list[str]:
                 f"{slow} / {fast} {what}: {ratio:.1f}×, paired median "
                 f"(Flower: run_simulation with 2 Ray actors){goal}"
             )
+    floor = paired(runs, "imports", "cohort", "cpu_s")
+    if floor is not None:
+        lines.append(
+            f"imports / cohort CPU s: {floor:.2f}×, paired median (the cohort run's modules "
+            "imported and nothing run: the floor of any run of this process)"
+        )
+    bound = paired(runs, "flower", "imports", "cpu_s")
+    if bound is not None:
+        lines.append(
+            f"flower / imports CPU s: {bound:.1f}×, paired median (the most any run of this "
+            f"process could reach on the ≥ {CHECK_GOALS['flower_cpu']}× goal)"
+        )
     for arm in ("cohort", "ours"):
         if arm in summary:
             rss = summary[arm]["peak_rss_mb"]
@@ -666,6 +703,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    if "imports" in args.arms.split(",") and "cohort" not in args.arms.split(","):
+        parser.error("the imports arm replays the cohort arm's imports: add --arms cohort")
     return args
 
 
