@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fl.common.config import is_finite
 from fl.common.files import write_atomic
 from fl.run.compare import Run, find_runs, seed_arms
 from fl.run.intervals import interval
@@ -54,10 +55,6 @@ RATIO = (0.0, math.inf)  # bytes ÷ bytes
 Pairs = Sequence[tuple[str, str]]
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _series(run: Run) -> tuple[list[float], list[float], list[float]]:
     """A run's (virtual end time, test accuracy, bytes as sent so far) per round, checked;
     bytes are NaN where a run recorded none (only `--bytes` and `--to-target` read them)."""
@@ -66,14 +63,14 @@ def _series(run: Run) -> tuple[list[float], list[float], list[float]]:
     sent: list[float] = []
     for row in run.rows:
         t, a = row.get("virtual_time_s"), row.get("accuracy")
-        if not (_finite(t) and _finite(a)):
+        if not (is_finite(t) and is_finite(a)):
             raise ValueError(
                 f"run {run.name}: round {row.get('round')} has no finite time/accuracy"
             )
         if not 0.0 <= a <= 1.0 or (times and t < times[-1]):
             raise ValueError(f"run {run.name}: round {row.get('round')} is out of range or order")
         up, down = row.get("cum_bytes_up"), row.get("cum_bytes_down")
-        total = up + down if _finite(up) and _finite(down) else math.nan
+        total = up + down if is_finite(up) and is_finite(down) else math.nan
         if not math.isnan(total) and (total < 0 or (sent and total < sent[-1])):
             raise ValueError(f"run {run.name}: round {row.get('round')}'s bytes go back")
         times.append(float(t))
