@@ -8,13 +8,14 @@ seed's runs; without it, the last rounds of each run (equal rounds: 2D-LRD's cla
 values, and the verdict against `--bar` (Δ ≥ bar: reproduces when the interval lies above,
 does not when it lies below, inconclusive when it holds the bar). `--pair ARM REF` pairs an
 arm with its own reference instead (each metric graft with its original). `--bytes` adds
-the bytes as sent by the same end, arm ÷ reference, against `--bytes-bar` (ratio < bar).
+the bytes as sent by the same end, arm ÷ reference, against `--ratio-bar` (ratio < bar).
 
-`--to-target N` (APF: bytes to convergence) reads bytes instead: the target is the
-reference's mean accuracy over its last N rounds, averaged over seeds, minus `--margin`
-points; a run reaches it where its trailing mean over `--reach-window` rounds (5, fl-run's
-`target_window`) first does, and its figure is its bytes as
-sent by then, arm ÷ reference paired by seed, against `--bytes-bar`. An arm that misses the
+`--to-target N` (APF: bytes to convergence; FedCA with `--measure time`: virtual time to
+it) reads a cost instead: the target is the reference's mean accuracy over its last N
+rounds, averaged over seeds, minus `--margin` points; a run reaches it where its trailing
+mean over `--reach-window` rounds (5, fl-run's `target_window`) first does, and its figure
+is its bytes as sent (or virtual time) by then, arm ÷ reference paired by seed, against
+`--ratio-bar`. An arm that misses the
 target on a seed its reference reached cannot reproduce (inconclusive at best), and does
 not when it misses on more than half its seeds. The rules were fixed in each preset's
 header before its results were read.
@@ -26,7 +27,9 @@ header before its results were read.
     python experiments/room_table.py experiments/out/grafting_room/<stamp> --window 10 \
         --pair strategy=graft_apf strategy=apf --bytes --bar -1
     python experiments/room_table.py experiments/out/apf_room/<stamp> \
-        --reference strategy=fedavg --to-target 100 --margin 1 --bytes-bar 0.6
+        --reference strategy=fedavg --to-target 100 --margin 1 --ratio-bar 0.6
+    python experiments/room_table.py experiments/out/fedca_room/<stamp> \
+        --reference strategy=fedavg --to-target 50 --measure time --ratio-bar 0.85
 
 Runs are read as data (`fl.run.compare.load_run`: regular files only); every accuracy and
 virtual time is checked before it is used.
@@ -51,7 +54,8 @@ from fl.run.intervals import interval
 from fl.run.tracking import reached_target
 
 POINTS = (-100.0, 100.0)  # a difference of two accuracies, in points
-RATIO = (0.0, math.inf)  # bytes ÷ bytes
+RATIO = (0.0, math.inf)  # bytes ÷ bytes, time ÷ time
+MEASURES = ("bytes", "time")  # what --to-target reads: bytes as sent, virtual time
 Pairs = Sequence[tuple[str, str]]
 
 
@@ -99,17 +103,18 @@ def _bytes_by(run: Run, by: float) -> float:
     return kept[-1]
 
 
-def _bytes_to(run: Run, target: float, window: int) -> float | None:
-    """Bytes as sent by the end of the round at which the run reaches `target` (None:
-    never), by fl-run's own rule (`reached_target`: the trailing mean over `window`)."""
-    _, _, sent = _series(run)  # every row checked before any is read
+def _cost_to(run: Run, target: float, window: int, measure: str) -> float | None:
+    """Bytes as sent (`measure="bytes"`) or virtual time (`"time"`) by the end of the round
+    at which the run reaches `target` (None: never), by fl-run's own rule
+    (`reached_target`: the trailing mean over `window`)."""
+    times, _, sent = _series(run)  # every row checked before any is read
     hit = reached_target(run.rows, target, window)
     if hit is None:
         return None
-    reached = sent[run.rows.index(hit)]
-    if not math.isfinite(reached) or reached <= 0:
-        raise ValueError(f"run {run.name} recorded no bytes sent")
-    return reached
+    cost = (sent if measure == "bytes" else times)[run.rows.index(hit)]
+    if not math.isfinite(cost) or cost <= 0:
+        raise ValueError(f"run {run.name} recorded no {measure} by round {hit.get('round')}")
+    return cost
 
 
 def _seed(run: Run) -> str:
@@ -182,22 +187,30 @@ def paired(
 
 
 def to_target(
-    arms: dict[str, list[Run]], reference: str, window: int, margin: float, reach: int
+    arms: dict[str, list[Run]],
+    reference: str,
+    window: int,
+    margin: float,
+    reach: int,
+    measure: str = "bytes",
 ) -> dict[str, Any]:
-    """Bytes as sent to the target (the reference's last-`window` mean accuracy over its
-    seeds, minus `margin` points; reached by the trailing mean over `reach` rounds), arm ÷
-    reference on each seed both reached it."""
+    """Bytes as sent (or virtual time, `measure`) to the target (the reference's
+    last-`window` mean accuracy over its seeds, minus `margin` points; reached by the
+    trailing mean over `reach` rounds), arm ÷ reference on each seed both reached it."""
+    if measure not in MEASURES:
+        raise ValueError(f"measure is one of {MEASURES}, not {measure!r}")
     by_seed = _by_seed(arms, [reference])
     ends = [_figure(run, window, math.inf) for run in arms[reference]]
     target = sum(ends) / len(ends) - margin / 100
-    out: dict[str, Any] = {"target": target, "reach_window": reach, "arms": {}}
+    out: dict[str, Any] = {"target": target, "reach_window": reach, "measure": measure}
+    out["arms"] = {}
     for arm in arms:
         if arm == reference:
             continue
         seeds, ratios, missed = [], [], []
         for s in _common(by_seed, arm, reference):
-            mine = _bytes_to(by_seed[s][arm], target, reach)
-            theirs = _bytes_to(by_seed[s][reference], target, reach)
+            mine = _cost_to(by_seed[s][arm], target, reach, measure)
+            theirs = _cost_to(by_seed[s][reference], target, reach, measure)
             if theirs is None:
                 continue  # the reference itself missed: no pair on this seed
             if mine is None:
@@ -235,13 +248,13 @@ def _spread(f: dict[str, Any], sign: str = "+") -> str:
     return f"{f['mean']:{sign}.2f} [{f['lo']:{sign}.2f}, {f['hi']:{sign}.2f}]"
 
 
-def table(result: dict[str, Any], reference: str | None, bar: float, bytes_bar: float) -> str:
+def table(result: dict[str, Any], reference: str | None, bar: float, ratio_bar: float) -> str:
     """The figures as a Markdown table, a line per arm, and each seed's T where timed."""
     sent = any("bytes" in f for f in result["arms"].values())
     head = ["arm − its reference (points)", "seeds", "mean [95 % CI]", "per seed"]
     head += [f"verdict (Δ ≥ {bar:g})"]
     if sent:
-        head += ["bytes ÷ reference", "per seed", f"verdict (÷ < {bytes_bar:g})"]
+        head += ["bytes ÷ reference", "per seed", f"verdict (÷ < {ratio_bar:g})"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for arm, f in result["arms"].items():
         cells = [
@@ -254,7 +267,7 @@ def table(result: dict[str, Any], reference: str | None, bar: float, bytes_bar: 
         if "bytes" in f:
             b = f["bytes"]
             ratios = " / ".join(f"{r:.3f}" for r in b["ratios"])
-            cells += [_spread(b, ""), ratios, ratio_verdict(b, bytes_bar)]
+            cells += [_spread(b, ""), ratios, ratio_verdict(b, ratio_bar)]
         lines.append("| " + " | ".join(cells) + " |")
     if result["budget_s"]:
         ends = ", ".join(f"seed {s}: {t:.1f}" for s, t in sorted(result["budget_s"].items()))
@@ -262,16 +275,17 @@ def table(result: dict[str, Any], reference: str | None, bar: float, bytes_bar: 
     return "\n".join(lines) + "\n"
 
 
-def target_table(result: dict[str, Any], reference: str, bytes_bar: float) -> str:
-    """Bytes to the target, arm ÷ reference, a line per arm, and the target."""
-    head = [f"bytes to target, arm ÷ {reference}", "seeds", "mean [95 % CI]", "per seed"]
-    head += ["missed on seeds", f"verdict (÷ < {bytes_bar:g})"]
+def target_table(result: dict[str, Any], reference: str, ratio_bar: float) -> str:
+    """Bytes (or time) to the target, arm ÷ reference, a line per arm, and the target."""
+    what = "bytes" if result["measure"] == "bytes" else "virtual time"
+    head = [f"{what} to target, arm ÷ {reference}", "seeds", "mean [95 % CI]", "per seed"]
+    head += ["missed on seeds", f"verdict (÷ < {ratio_bar:g})"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for arm, f in result["arms"].items():
         ratios = " / ".join(f"{r:.3f}" for r in f["ratios"])
         spread = _spread(f, "") if f["ratios"] else "—"
         missed = ",".join(f["missed"]) or "none"
-        cells = [arm, ",".join(f["seeds"]), spread, ratios, missed, ratio_verdict(f, bytes_bar)]
+        cells = [arm, ",".join(f["seeds"]), spread, ratios, missed, ratio_verdict(f, ratio_bar)]
         lines.append("| " + " | ".join(cells) + " |")
     reach = result["reach_window"]
     lines.append(f"\nTarget accuracy: {result['target']:.4f} (a {reach}-round trailing mean).")
@@ -294,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--equal-time", action="store_true", help="at the seed's earliest end")
     parser.add_argument("--bar", type=float, default=0.0, help="the claim: Δ ≥ bar points")
     parser.add_argument("--bytes", action="store_true", help="also bytes as sent, ÷ reference")
-    parser.add_argument("--bytes-bar", type=float, default=1.0, help="the claim: ÷ < bar")
+    parser.add_argument("--ratio-bar", type=float, default=1.0, help="the claim: ÷ < bar")
     parser.add_argument(
         "--to-target",
         type=int,
@@ -302,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="bytes to the reference's last-N-round mean accuracy minus --margin points",
     )
     parser.add_argument("--margin", type=float, default=1.0, help="points below, for --to-target")
+    parser.add_argument("--measure", choices=MEASURES, default="bytes", help="for --to-target")
     parser.add_argument(
         "--reach-window", type=int, default=5, help="trailing rounds (fl-run's target_window)"
     )
@@ -317,14 +332,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not arms:
         parser.error("no arm ran several seeds in these sweeps")
     if args.to_target is not None:
-        result = to_target(arms, args.reference, args.to_target, args.margin, args.reach_window)
-        print(target_table(result, args.reference, args.bytes_bar), end="")
+        result = to_target(
+            arms, args.reference, args.to_target, args.margin, args.reach_window, args.measure
+        )
+        print(target_table(result, args.reference, args.ratio_bar), end="")
     else:
         pairs = [tuple(p) for p in args.pair]
         result = paired(
             arms, args.reference, args.window, args.equal_time, pairs=pairs, sent=args.bytes
         )
-        print(table(result, args.reference, args.bar, args.bytes_bar), end="")
+        print(table(result, args.reference, args.bar, args.ratio_bar), end="")
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1) + "\n")
     return 0

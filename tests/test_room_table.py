@@ -153,6 +153,11 @@ def test_bytes_to_target(tmp_path):
     graft = trailing["arms"]["strategy=graft_apf"]
     assert graft["missed"] == ["0", "1", "2"] and graft["ratios"] == []
     assert room_table.ratio_verdict(graft, 1.0) == "does not reproduce"
+    # the same reach read as virtual time (1 s a round): 10 s against 9 s
+    timed = room_table.to_target(arms, "strategy=apf", 2, margin=1.0, reach=1, measure="time")
+    assert timed["arms"]["strategy=graft_apf"]["ratios"] == pytest.approx([10 / 9] * 2)
+    with pytest.raises(ValueError, match="measure is one of"):
+        room_table.to_target(arms, "strategy=apf", 2, margin=1.0, reach=1, measure="rounds")
 
 
 def test_bytes_that_go_back_are_refused(tmp_path):
