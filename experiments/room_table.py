@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from experiments.scoreboard import condition_verdict
 from fl.common.config import is_finite
 from fl.common.files import write_atomic
 from fl.run.compare import Run, find_runs, seed_arms
@@ -141,6 +142,9 @@ def _pairs(
 ) -> list[tuple[str, str]]:
     """(arm, its reference): the `--pair`s given, else every other arm against `reference`."""
     if pairs:
+        arms_paired = [arm for arm, _ in pairs]
+        if len(set(arms_paired)) < len(arms_paired):
+            raise ValueError("each arm once in --pair (another reference: another run)")
         return list(pairs)
     if reference is None:
         raise ValueError("name a --reference arm or --pair ARM REF")
@@ -203,7 +207,7 @@ def to_target(
     ends = [_figure(run, window, math.inf) for run in arms[reference]]
     target = sum(ends) / len(ends) - margin / 100
     out: dict[str, Any] = {"target": target, "reach_window": reach, "measure": measure}
-    out["arms"] = {}
+    out |= {"reference": reference, "arms": {}}
     for arm in arms:
         if arm == reference:
             continue
@@ -224,24 +228,17 @@ def to_target(
 
 
 def verdict(lo: float, hi: float, bar: float) -> str:
-    """Against Δ ≥ bar: the interval above it, below it, or holding it."""
-    if lo > bar:
-        return "reproduces"
-    if hi < bar:
-        return "does not reproduce"
-    return "inconclusive"
+    """Against Δ ≥ bar: the interval above it, below it, or holding it (the scoreboard's
+    rule, `experiments/scoreboard.py`)."""
+    return condition_verdict({"rule": "at_least", "lo": lo, "hi": hi, "bar": bar})
 
 
 def ratio_verdict(figure: dict[str, Any], bar: float) -> str:
     """Against ratio < bar, where a seed on which the arm missed the target (`missed`)
-    keeps it from reproducing and more than half missed decides it does not."""
-    missed = len(figure.get("missed", []))
-    if missed * 2 > missed + len(figure["ratios"]):
-        return "does not reproduce"
-    if not figure["ratios"]:
-        return "inconclusive"
-    found = verdict(-figure["hi"], -figure["lo"], -bar)
-    return "inconclusive" if missed and found == "reproduces" else found
+    keeps it from reproducing and more than half missed decide it does not."""
+    condition = {"rule": "at_most", "lo": figure["lo"], "hi": figure["hi"], "bar": bar}
+    condition |= {"seeds": figure["ratios"], "missed": len(figure.get("missed", []))}
+    return condition_verdict(condition)
 
 
 def _spread(f: dict[str, Any], sign: str = "+") -> str:

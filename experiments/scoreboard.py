@@ -17,8 +17,14 @@ do and does not when any does not.
 `--record` fills the system's conditions whose `metric` names a paired figure of
 `fl.run.compare` (`final_accuracy` in points, `traffic`, `time_to_target`) from a
 finished sweep: each condition's `arm` paired seed by seed with the record's `reference`
-arm, the interval by `fl.run.intervals`. Conditions measured by another script
-(`metric: null`, e.g. DPBalance's simulator) are updated from that script's output.
+arm, the interval by `fl.run.intervals`. `--figures` fills those whose `metric` names a
+figure of `experiments/room_table.py --json` (`room_delta` in points, `room_bytes`,
+`room_to_target`: ratios) from one or more of its files, each condition's `arm` against
+its own `reference` (the record's unless it names one); a seed on which the arm missed
+the target (`missed`) keeps a condition from reproducing. Conditions measured by another
+script (`metric: null`, e.g. DPBalance's simulator) are updated from that script's output.
+
+    python experiments/scoreboard.py --figures FIGURES.json [...] --system pas --command "..."
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ SYSTEMS = (
 )
 RULES = ("at_most", "at_least")
 METRICS = {"final_accuracy": 100.0, "traffic": 1.0, "time_to_target": 1.0}  # × to the unit
+# room_table.py's figures: metric -> (where an arm's per-seed values are, their bounds)
+ROOM_METRICS = {
+    "room_delta": (("deltas",), (-100.0, 100.0)),
+    "room_bytes": (("bytes", "ratios"), (0.0, math.inf)),
+    "room_to_target": (("ratios",), (0.0, math.inf)),
+}
 REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce", "inconclusive"
 SETTING_KEYS = ("task", "model", "clients", "participation", "rounds", "seeds")
 RECORD_KEYS = {
@@ -80,11 +92,18 @@ class RecordError(ValueError):
 
 def condition_verdict(condition: dict[str, Any]) -> str:
     """Reproduces when the whole interval lies on the claim's side of the bar, does not when
-    it lies wholly on the other side, inconclusive while it holds the bar."""
+    it lies wholly on the other side, inconclusive while it holds the bar. A figure to a
+    target counts the seeds on which the arm never reached it (`missed`, not in the
+    interval): any keeps it from reproducing, more than half decide it does not."""
+    missed = condition.get("missed", 0)
+    if missed and missed * 2 > missed + len(condition.get("seeds") or []):
+        return FAILS
     low, high, bar = condition["lo"], condition["hi"], condition["bar"]
     if condition["rule"] == "at_most":
-        return REPRODUCES if high < bar else FAILS if low > bar else INCONCLUSIVE
-    return REPRODUCES if low > bar else FAILS if high < bar else INCONCLUSIVE
+        found = REPRODUCES if high < bar else FAILS if low > bar else INCONCLUSIVE
+    else:
+        found = REPRODUCES if low > bar else FAILS if high < bar else INCONCLUSIVE
+    return INCONCLUSIVE if missed and found == REPRODUCES else found
 
 
 def verdict(record: dict[str, Any]) -> str:
@@ -122,10 +141,18 @@ def check_record(record: Any, name: str) -> dict[str, Any]:
     for c in conditions:
         need(isinstance(c, dict), "a condition is an object")
         need(c.get("rule") in RULES, f"a condition's rule is one of {RULES}")
-        need(c.get("metric") is None or c.get("metric") in METRICS, f"metric: {list(METRICS)}")
+        known = [*METRICS, *ROOM_METRICS]
+        need(c.get("metric") is None or c.get("metric") in known, f"metric: one of {known}")
+        need(isinstance(c.get("reference", ""), str), "a condition's reference is an arm")
+        missed = c.get("missed", 0)
+        need(isinstance(missed, int) and not isinstance(missed, bool) and missed >= 0, "missed")
         need(isinstance(c.get("label"), str) and isinstance(c.get("arm"), str), "label, arm")
-        need(all(_number(c.get(k)) for k in ("bar", "mean", "lo", "hi")), "bar, mean, lo, hi")
-        need(c["lo"] <= c["mean"] <= c["hi"], f"{c['label']}: lo <= mean <= hi")
+        figure = [c.get(k) for k in ("mean", "lo", "hi")]
+        unreached = c.get("missed", 0) and all(v is None for v in figure)  # every seed missed
+        need(
+            _number(c.get("bar")) and (unreached or all(map(_number, figure))), "bar, mean, lo, hi"
+        )
+        need(unreached or c["lo"] <= c["mean"] <= c["hi"], f"{c['label']}: lo <= mean <= hi")
         seeds = c.get("seeds")
         need(seeds is None or (isinstance(seeds, list) and all(map(_number, seeds))), "seeds")
     need(verdict(record) != FAILS or bool(record["reason"].strip()), "a failure needs a reason")
@@ -150,11 +177,15 @@ def load_records(folder: Path = RECORDS) -> list[dict[str, Any]]:
 
 def _condition_cell(c: dict[str, Any]) -> str:
     bar = ("≤ " if c["rule"] == "at_most" else "≥ ") + f"{c['bar']:g}"
-    digits = 3 if max(abs(c["lo"]), abs(c["hi"])) < 1 else 2
     n = f", {len(c['seeds'])} seeds" if c.get("seeds") else ""
+    plural = "s" if c.get("missed", 0) > 1 else ""
+    missed = f", target missed on {c['missed']} seed{plural}" if c.get("missed") else ""
+    if c["mean"] is None:
+        return f"{c['label']}: never reached (claim {bar}{missed}: {condition_verdict(c)})"
+    digits = 3 if max(abs(c["lo"]), abs(c["hi"])) < 1 else 2
     return (
         f"{c['label']}: **{c['mean']:.{digits}f}** [{c['lo']:.{digits}f}, {c['hi']:.{digits}f}]"
-        f" (claim {bar}{n}: {condition_verdict(c)})"
+        f" (claim {bar}{n}{missed}: {condition_verdict(c)})"
     )
 
 
@@ -245,19 +276,80 @@ def record_sweep(
     return record
 
 
+def _room_values(figures: Sequence[dict[str, Any]], c: dict[str, Any], reference: str) -> Any:
+    """The per-seed values of condition `c` and its missed seeds, from the first figures
+    file that pairs its arm with `reference`, checked (they are a file's contents)."""
+    path, bounds = ROOM_METRICS[c["metric"]]
+    for found in figures:
+        entry = found.get("arms", {}).get(c["arm"]) if isinstance(found, dict) else None
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("reference", found.get("reference")) != reference:
+            continue
+        for key in path:
+            entry = entry.get(key) if isinstance(entry, dict) else None
+        to_target = c["metric"] == "room_to_target"
+        missed = found["arms"][c["arm"]].get("missed", []) if to_target else []
+        ok = isinstance(entry, list) and all(_number(v) for v in entry)
+        if not (ok and all(bounds[0] <= v <= bounds[1] for v in entry)):
+            raise RecordError(f"{c['label']}: its figures are not numbers within {bounds}")
+        if not isinstance(missed, list):
+            raise RecordError(f"{c['label']}: missed seeds must be a list")
+        return entry, len(missed), bounds
+    raise RecordError(f"no figures pair {c['arm']!r} with {reference!r}")
+
+
+def record_figures(
+    paths: Sequence[Path], stem: str, command: str, date: str, folder: Path = RECORDS
+) -> dict[str, Any]:
+    """Fill record `stem`'s room-table conditions from room_table.py's JSON files."""
+    path = folder / f"{stem}.json"
+    record = check_record(json.loads(read_regular_text(path)), str(path))
+    figures = []
+    for source in paths:
+        try:
+            figures.append(json.loads(read_regular_text(source)))
+        except (OSError, ValueError) as err:
+            raise RecordError(f"{source}: {err}") from None
+    filled = 0
+    for c in record["conditions"]:
+        if c["metric"] not in ROOM_METRICS:
+            continue
+        values, missed, bounds = _room_values(figures, c, c.get("reference", record["reference"]))
+        if len(values) + missed < 2:
+            raise RecordError(f"{c['label']}: {len(values) + missed} paired seeds, need >= 2")
+        c["mean"], c["lo"], c["hi"] = interval(values, bounds=bounds) if values else (None,) * 3
+        c["seeds"], filled = values, filled + 1
+        if c["metric"] == "room_to_target":
+            c["missed"] = missed
+    if not filled:
+        raise RecordError(f"{path}: no condition's metric is one of {list(ROOM_METRICS)}")
+    names = " ".join(str(p) for p in paths)
+    record["source"].update(command=command, date=date, figures=names)
+    check_record(record, str(path))
+    _write(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    return record
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
     parser.add_argument("--record", type=Path, metavar="SWEEP_DIR", help="a finished sweep")
+    parser.add_argument(
+        "--figures", type=Path, nargs="+", metavar="JSON", help="room_table.py --json files"
+    )
     parser.add_argument("--system", choices=[stem for stem, _ in SYSTEMS], help="its record")
     parser.add_argument("--command", help="the command that produced the sweep")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     args = parser.parse_args(argv)
     try:
-        if args.record is not None:
+        if args.record is not None or args.figures:
             if not (args.system and args.command):
-                parser.error("--record needs --system and --command")
-            record_sweep(args.record, args.system, args.command, args.date)
+                parser.error("--record and --figures need --system and --command")
+            if args.record is not None:
+                record_sweep(args.record, args.system, args.command, args.date)
+            if args.figures:
+                record_figures(args.figures, args.system, args.command, args.date)
         text = render(load_records())
     except RecordError as err:
         print(f"scoreboard: {err}", file=sys.stderr)

@@ -168,3 +168,56 @@ def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     assert "is not up to date" in capsys.readouterr().err
     assert scoreboard.main([]) == 0
     assert scoreboard.main(["--check"]) == 0
+
+
+def _room_record(tmp_path: Path, metric: str, **condition: object) -> Path:
+    """The committed records, with PAS's condition read from room_table.py's `metric` (and
+    a reason, should the figure fail)."""
+    records = tmp_path / "records"
+    shutil.copytree(scoreboard.RECORDS, records)
+    pas = json.loads((records / "pas.json").read_text())
+    pas["conditions"][0].update(metric=metric, **condition)
+    pas["reason"] = "a measured cause, as every failure carries (here: a test's)"
+    (records / "pas.json").write_text(json.dumps(pas))
+    return records
+
+
+def test_figures_mode_fills_a_record_from_room_table_json(tmp_path):
+    """room_table.py's paired Δ (points) becomes the condition's figure, with the interval
+    room_table prints (bounded to ±100 points), and the page renders from it."""
+    records = _room_record(tmp_path, "room_delta")
+    figures = tmp_path / "pas.json"
+    entry = {"reference": "strategy=fedavg", "seeds": ["0", "1", "2"], "deltas": [2.0, 3.0, 4.0]}
+    figures.write_text(json.dumps({"budget_s": {}, "arms": {"strategy=pas": entry}}))
+    record = scoreboard.record_figures([figures], "pas", "room_table ...", "2026-12-06", records)
+    (c,) = record["conditions"]
+    assert c["seeds"] == [2.0, 3.0, 4.0]
+    assert (c["mean"], c["lo"], c["hi"]) == interval([2.0, 3.0, 4.0], bounds=(-100.0, 100.0))
+    assert verdict(record) == REPRODUCES  # [0.52, 5.48] lies above the bar 0
+    assert record["source"]["figures"] == str(figures)
+    assert "**3.00** [0.52, 5.48]" in render(load_records(records))
+    entry["reference"] = "strategy=adacomm"  # paired with another arm: not this condition's
+    figures.write_text(json.dumps({"arms": {"strategy=pas": entry}}))
+    with pytest.raises(RecordError, match="no figures pair 'strategy=pas' with 'strategy=fedavg'"):
+        scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)
+    entry |= {"reference": "strategy=fedavg", "deltas": [2.0, "3", 4.0]}
+    figures.write_text(json.dumps({"arms": {"strategy=pas": entry}}))
+    with pytest.raises(RecordError, match="not numbers within"):
+        scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)
+
+
+def test_a_missed_target_keeps_a_figure_to_it_from_reproducing(tmp_path):
+    records = _room_record(tmp_path, "room_to_target", rule="at_most", bar=0.6)
+    figures = tmp_path / "apf.json"
+    arm = {"seeds": ["0", "1"], "ratios": [0.40, 0.42], "missed": ["2"]}
+    figures.write_text(json.dumps({"reference": "strategy=fedavg", "arms": {"strategy=pas": arm}}))
+    record = scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)
+    (c,) = record["conditions"]
+    assert c["missed"] == 1 and c["hi"] < 0.6  # below the bar on the seeds that reached it
+    assert condition_verdict(c) == INCONCLUSIVE  # ... but seed 2 never did
+    assert "target missed on 1 seed:" in render(load_records(records))
+    arm |= {"seeds": [], "ratios": [], "missed": ["0", "1", "2"]}
+    figures.write_text(json.dumps({"reference": "strategy=fedavg", "arms": {"strategy=pas": arm}}))
+    (c,) = scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)["conditions"]
+    assert c["mean"] is None and condition_verdict(c) == FAILS
+    assert "never reached" in render(load_records(records))
