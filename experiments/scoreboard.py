@@ -276,20 +276,22 @@ def record_sweep(
     return record
 
 
-def _room_values(figures: Sequence[dict[str, Any]], c: dict[str, Any], reference: str) -> Any:
-    """The per-seed values of condition `c` and its missed seeds, from the first figures
-    file that pairs its arm with `reference`, checked (they are a file's contents)."""
+def _room_values(
+    figures: Sequence[Any], c: dict[str, Any], reference: str
+) -> tuple[list[float], int, tuple[float, float]]:
+    """The per-seed values of condition `c`, its number of missed seeds and their bounds,
+    from the first figures file that pairs its arm with `reference`, checked (they are a
+    file's contents)."""
     path, bounds = ROOM_METRICS[c["metric"]]
     for found in figures:
-        entry = found.get("arms", {}).get(c["arm"]) if isinstance(found, dict) else None
-        if not isinstance(entry, dict):
+        arms = found.get("arms") if isinstance(found, dict) else None
+        arm = arms.get(c["arm"]) if isinstance(arms, dict) else None
+        if not isinstance(arm, dict) or arm.get("reference", found.get("reference")) != reference:
             continue
-        if entry.get("reference", found.get("reference")) != reference:
-            continue
+        entry: Any = arm
         for key in path:
             entry = entry.get(key) if isinstance(entry, dict) else None
-        to_target = c["metric"] == "room_to_target"
-        missed = found["arms"][c["arm"]].get("missed", []) if to_target else []
+        missed = arm.get("missed", []) if c["metric"] == "room_to_target" else []
         ok = isinstance(entry, list) and all(_number(v) for v in entry)
         if not (ok and all(bounds[0] <= v <= bounds[1] for v in entry)):
             raise RecordError(f"{c['label']}: its figures are not numbers within {bounds}")

@@ -200,6 +200,10 @@ def test_figures_mode_fills_a_record_from_room_table_json(tmp_path):
     figures.write_text(json.dumps({"arms": {"strategy=pas": entry}}))
     with pytest.raises(RecordError, match="no figures pair 'strategy=pas' with 'strategy=fedavg'"):
         scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)
+    for malformed in ({"arms": ["strategy=pas"]}, ["arms"], {"arms": {"strategy=pas": 3}}):
+        figures.write_text(json.dumps(malformed))
+        with pytest.raises(RecordError, match="no figures pair"):
+            scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)
     entry |= {"reference": "strategy=fedavg", "deltas": [2.0, "3", 4.0]}
     figures.write_text(json.dumps({"arms": {"strategy=pas": entry}}))
     with pytest.raises(RecordError, match="not numbers within"):
