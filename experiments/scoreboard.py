@@ -229,8 +229,10 @@ def render(records: Sequence[dict[str, Any]]) -> str:
     sources = ["", "## Sources", ""]
     for r in records:
         src = r["source"]
+        references = dict.fromkeys(c.get("reference", r["reference"]) for c in r["conditions"])
+        against = ", ".join(f"`{ref}`" for ref in references)
         sources.append(
-            f"- **{r['system']}** ({src['date']}, vs `{r['reference']}`): `{src['command']}`; "
+            f"- **{r['system']}** ({src['date']}, vs {against}): `{src['command']}`; "
             f"{src['where']}. Workload: {src['workload']}"
         )
     return head + "\n".join(lines) + "\n" + "\n".join(sources) + "\n"
