@@ -208,13 +208,17 @@ def to_target(
     target = sum(ends) / len(ends) - margin / 100
     out: dict[str, Any] = {"target": target, "reach_window": reach, "measure": measure}
     out |= {"reference": reference, "arms": {}}
+    theirs_by_seed = {  # the reference's cost on each seed it ran, once for every arm
+        s: _cost_to(runs[reference], target, reach, measure)
+        for s, runs in by_seed.items()
+        if reference in runs
+    }
     for arm in arms:
         if arm == reference:
             continue
         seeds, ratios, missed = [], [], []
         for s in _common(by_seed, arm, reference):
-            mine = _cost_to(by_seed[s][arm], target, reach, measure)
-            theirs = _cost_to(by_seed[s][reference], target, reach, measure)
+            mine, theirs = _cost_to(by_seed[s][arm], target, reach, measure), theirs_by_seed[s]
             if theirs is None:
                 continue  # the reference itself missed: no pair on this seed
             if mine is None:
@@ -245,7 +249,7 @@ def _spread(f: dict[str, Any], sign: str = "+") -> str:
     return f"{f['mean']:{sign}.2f} [{f['lo']:{sign}.2f}, {f['hi']:{sign}.2f}]"
 
 
-def table(result: dict[str, Any], reference: str | None, bar: float, ratio_bar: float) -> str:
+def table(result: dict[str, Any], bar: float, ratio_bar: float) -> str:
     """The figures as a Markdown table, a line per arm, and each seed's T where timed."""
     sent = any("bytes" in f for f in result["arms"].values())
     head = ["arm − its reference (points)", "seeds", "mean [95 % CI]", "per seed"]
@@ -255,7 +259,7 @@ def table(result: dict[str, Any], reference: str | None, bar: float, ratio_bar: 
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for arm, f in result["arms"].items():
         cells = [
-            f"{arm} − {f.get('reference', reference)}",
+            f"{arm} − {f['reference']}",
             ",".join(f["seeds"]),
             _spread(f),
             " / ".join(f"{d:+.2f}" for d in f["deltas"]),
@@ -338,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = paired(
             arms, args.reference, args.window, args.equal_time, pairs=pairs, sent=args.bytes
         )
-        print(table(result, args.reference, args.bar, args.ratio_bar), end="")
+        print(table(result, args.bar, args.ratio_bar), end="")
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1) + "\n")
     return 0

@@ -433,10 +433,9 @@ class VirtualClock:
         partition, phases in order, and its time reached (`due`) or yet to come."""
         arrival = Arrival(**saved)
         phases = (arrival.sent_s, arrival.downloaded_s, arrival.computed_s, arrival.arrived_s)
-        ordered = all(
-            _time_or_never(t) for t in phases
-        ) and all(  # a phase never reached (a drop's) stays inf
-            arrival.sent_s <= t <= arrival.arrived_s for t in phases if t != math.inf
+        reached = [t for t in phases if t != math.inf]  # a phase never reached (a drop's)
+        ordered = all(map(_time_or_never, phases)) and all(
+            arrival.sent_s <= t <= arrival.arrived_s for t in reached
         )
         ok = (
             type(arrival.key) is int
