@@ -68,18 +68,26 @@ BATCH_SIZE, LOCAL_EPOCHS = 16, 1
 WARM_RUN = 'import sys, torch._dynamo; from fl.run.cli import main; sys.argv[0] = "fl-run"; main()'
 # the cohort arm trains without torch.optim and never imports torch._dynamo (~1 CPU s): it
 # starts without it, and fails if a run of it imported it after all (then warm it again)
-# (and leaves the names of the modules it imported, in order, where BENCH_MODULES says)
+# (and leaves the names of the modules it imported, in order, where BENCH_MODULES says,
+# never through a link)
 COHORT_RUN = (
     'import sys; from fl.run.cli import main; sys.argv[0] = "fl-run"; main(); '
     'assert "torch._dynamo" not in sys.modules, "the cohort arm imported torch._dynamo"; '
-    "import json, os, pathlib; pathlib.Path(os.environ['BENCH_MODULES']).write_text("
-    "json.dumps(list(sys.modules)))"
+    "import json, os; from fl.common.files import write_atomic; "
+    "write_atomic(os.environ['BENCH_MODULES'], json.dumps(list(sys.modules)))"
 )
 # the floor of the cohort arm's CPU seconds: the modules its run imported, imported in the
 # same order and nothing run (a few extensions' private names import only through their
-# package: skipped)
-IMPORTS_RUN = """import importlib, json, os, pathlib
-for name in json.loads(pathlib.Path(os.environ["BENCH_MODULES"]).read_text()):
+# package: skipped). The names come from a file, so they are checked first: a regular file,
+# a bounded list of dotted module names (sysconfig's data module has a hyphen).
+IMPORTS_RUN = """import importlib, json, os, re
+from fl.common.files import read_regular_text
+names = json.loads(read_regular_text(os.environ["BENCH_MODULES"]))
+dotted = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\\.[A-Za-z_][A-Za-z0-9_-]*)*")  # sysconfig's has -
+ok = isinstance(names, list) and len(names) <= 20000
+if not (ok and all(isinstance(n, str) and dotted.fullmatch(n) for n in names)):
+    raise SystemExit("imports arm: the cohort's module list is not a list of module names")
+for name in names:
     try:
         importlib.import_module(name)
     except ImportError:
