@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# our packages (pyproject's packages.find): their bytecode is compiled before each entry
+# point, as pip does for an installed package, since an editable install never writes it
+# where PYTHONDONTWRITEBYTECODE is set (containers): ~0.15 CPU s of every process otherwise
+PACKAGES := fl strategies privacy clients server hydra_plugins
 
-.PHONY: setup run test test-quick test-all lint bench bench-transport clean
+.PHONY: setup bytecode run test test-quick test-all lint bench bench-transport clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,18 +16,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) bytecode
 
-run: $(STAMP)
+bytecode: $(STAMP)  # only what changed since: ~0.04 s when nothing did
+	$(BIN)/python -m compileall -q $(PACKAGES)
+
+run: setup
 	$(BIN)/fl-run
 
-test: $(STAMP)
+test: setup
 	$(BIN)/pytest
 
-test-quick: $(STAMP)  # a few minutes: contracts, smoke paths, one run of every strategy
+test-quick: setup  # a few minutes: contracts, smoke paths, one run of every strategy
 	$(BIN)/pytest -m quick
 
-test-all: $(STAMP)
+test-all: setup
 	$(BIN)/pytest -m ''
 
 lint: $(STAMP)
@@ -32,7 +39,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-bench: $(STAMP)
+bench: setup
 	$(BIN)/python experiments/bench_many_clients.py --clients 1000 --rounds 3 --repeats 3
 
 bench-transport: $(STAMP)  # side channel vs Flower inline; streamed mean vs Flower's

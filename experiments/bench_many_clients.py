@@ -29,6 +29,7 @@ arm's training FLOPs in proportion: the fraction of the ceiling its rounds reach
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import ctypes
 import importlib
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -486,6 +488,16 @@ def _in_netns(command: list[str]) -> list[str]:
     return ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {quoted}"]
 
 
+def compile_bytecode() -> None:
+    """Write our packages' bytecode before any arm runs (`make bytecode` does the same): a
+    one-time cost on a machine that writes .pyc, which PYTHONDONTWRITEBYTECODE (set in
+    containers) would otherwise charge to every start of the fl-run arms and of `imports`."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        if not compileall.compile_dir(REPO / pattern.rstrip("*"), quiet=1):
+            raise SystemExit(f"bench: {pattern.rstrip('*')}: compileall failed")
+
+
 def run_arm(arm: str, repeat: int, args: argparse.Namespace, log_dir: Path) -> Run:
     """One measured run of `arm`, with its accuracy and in-process time read back."""
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{arm}-"))
@@ -732,6 +744,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.with_suffix(".logs")
     log_dir.mkdir(exist_ok=True)
+    compile_bytecode()
     load_start = os.getloadavg()
     gflops, flops = matmul_gflops(), training_flops(args.clients, args.rounds)
     runs: list[Run] = []

@@ -337,7 +337,8 @@ def _freeze_imports() -> None:
 
     Once per process, never undone: a Hydra multirun calls `run_local` once per job, and
     a collection of the whole heap before each freeze cost ~0.15 s a job. What each job
-    builds stays unfrozen and is collected as usual when the job ends.
+    builds stays unfrozen and is collected as usual when the job ends. No collection
+    before it either: it cost ~0.1 CPU s to reclaim ~0.8 MB of Hydra's composition
+    garbage, which now stays frozen for the process's life.
     """
-    gc.collect()
     gc.freeze()
