@@ -33,13 +33,12 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fl.common.files import read_regular_text
+from fl.common.files import NotRegularFile, read_regular_text, write_atomic
 from fl.run.compare import find_runs, paired_figures, seed_arms
 from fl.run.intervals import interval
 
@@ -238,13 +237,6 @@ def render(records: Sequence[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n" + "\n".join(sources) + "\n"
 
 
-def _write(path: Path, text: str) -> None:
-    """Write `text` to `path`, never through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(text)
-
-
 def record_sweep(
     sweep: Path, stem: str, command: str, date: str, folder: Path = RECORDS
 ) -> dict[str, Any]:
@@ -274,7 +266,7 @@ def record_sweep(
         where=f"sweep {sweep} (recorded by experiments/scoreboard.py --record)",
     )
     check_record(record, str(path))
-    _write(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return record
 
 
@@ -331,7 +323,7 @@ def record_figures(
     names = " ".join(str(p) for p in paths)
     record["source"].update(command=command, date=date, figures=names)
     check_record(record, str(path))
-    _write(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return record
 
 
@@ -355,19 +347,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.figures:
                 record_figures(args.figures, args.system, args.command, args.date)
         text = render(load_records())
-    except RecordError as err:
+        if args.check:
+            current = read_regular_text(DOC) if DOC.exists() else ""
+            if current != text:
+                print(
+                    f"scoreboard: {DOC} is not up to date: run experiments/scoreboard.py",
+                    file=sys.stderr,
+                )
+                return 1
+            return 0
+        write_atomic(DOC, text)
+    except (RecordError, NotRegularFile) as err:  # a bad record, or a link where a file goes
         print(f"scoreboard: {err}", file=sys.stderr)
         return 2
-    if args.check:
-        current = read_regular_text(DOC) if DOC.exists() else ""
-        if current != text:
-            print(
-                f"scoreboard: {DOC} is not up to date: run experiments/scoreboard.py",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    _write(DOC, text)
     print(f"scoreboard: wrote {DOC}")
     return 0
 

@@ -170,6 +170,16 @@ def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     assert scoreboard.main(["--check"]) == 0
 
 
+def test_the_page_is_never_written_through_a_link(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "elsewhere.md"
+    target.write_text("kept\n")
+    (tmp_path / "REPRODUCTIONS.md").symlink_to(target)
+    monkeypatch.setattr(scoreboard, "DOC", tmp_path / "REPRODUCTIONS.md")
+    assert scoreboard.main([]) == 2
+    assert "REPRODUCTIONS.md" in capsys.readouterr().err
+    assert target.read_text() == "kept\n"
+
+
 def _room_record(tmp_path: Path, metric: str, **condition: object) -> Path:
     """The committed records, with PAS's condition read from room_table.py's `metric` (and
     a reason, should the figure fail)."""
