@@ -189,15 +189,29 @@ def _condition_cell(c: dict[str, Any]) -> str:
 
 
 def _caveat(records: Sequence[dict[str, Any]]) -> str:
-    """Which rows were measured with room (issue 35) and which on the small workloads."""
-    roomy = [r["system"] for r in records if r["source"]["workload"].startswith("with room")]
-    small = "the others were" if roomy else "every figure below was"
-    with_room = f"{', '.join(roomy)}: measured on a workload with room; " if roomy else ""
-    return (
-        f"**Caveat (issue 35).** {with_room}{small} measured on the small workloads (mostly a "
-        "4.8k-parameter MLP on 8×8 digits) that issue 35 wants replaced by settings with room; "
-        "a verdict on a small workload judges the plugin there, not the paper.\n\n"
-    )
+    """Which rows were measured with room (issue 35), which on the small workloads, and
+    which on neither (a claim about no model, such as DPBalance's scheduler)."""
+
+    def named(rows: Sequence[dict[str, Any]]) -> str:
+        return ", ".join(r["system"] for r in rows)
+
+    def kind(r: dict[str, Any]) -> str:
+        workload = r["source"]["workload"]
+        return "room" if workload.startswith("with room") else workload.split(" ")[0]
+
+    roomy = [r for r in records if kind(r) == "room"]
+    small = [r for r in records if kind(r) == "small"]
+    other = [r for r in records if kind(r) not in ("room", "small")]
+    parts = [f"measured on a workload with room: {named(roomy)}."] if roomy else []
+    if small:
+        parts.append(
+            f"Measured on the small workloads (mostly a 4.8k-parameter MLP on 8×8 digits) that "
+            f"issue 35 wants replaced by settings with room: {named(small)}; a verdict there "
+            "judges the plugin on that workload, not the paper."
+        )
+    parts += [f"{r['system']}: {r['source']['workload']}." for r in other]
+    text = " ".join(parts)
+    return f"**Caveat (issue 35).** {text[:1].upper()}{text[1:]}\n\n"
 
 
 def render(records: Sequence[dict[str, Any]]) -> str:

@@ -170,6 +170,14 @@ def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     assert scoreboard.main(["--check"]) == 0
 
 
+def test_the_caveat_names_each_row_by_its_workload():
+    caveat = render(load_records()).split("**Caveat (issue 35).**")[1].split("\n")[0]
+    room, small = caveat.split("Measured on the small workloads")
+    assert "GIFT" in room and "APF" not in room
+    assert "APF#" in small and "DPBalance" not in small.split(";")[0]  # no model: its own
+    assert "DPBalance: simulated budget scheduler (no FL model)." in caveat
+
+
 def test_the_page_is_never_written_through_a_link(tmp_path, monkeypatch, capsys):
     target = tmp_path / "elsewhere.md"
     target.write_text("kept\n")
