@@ -105,12 +105,25 @@ def condition_verdict(condition: dict[str, Any]) -> str:
     return INCONCLUSIVE if missed and found == REPRODUCES else found
 
 
-def verdict(record: dict[str, Any]) -> str:
-    """A system's verdict: any condition that does not reproduce decides, then all must."""
-    verdicts = [condition_verdict(c) for c in record["conditions"]]
+def _all_of(conditions: Sequence[dict[str, Any]]) -> str:
+    """Conditions that must all hold: any that does not reproduce decides, then all must."""
+    verdicts = [condition_verdict(c) for c in conditions]
     if FAILS in verdicts:
         return FAILS
     return REPRODUCES if all(v == REPRODUCES for v in verdicts) else INCONCLUSIVE
+
+
+def verdict(record: dict[str, Any]) -> str:
+    """A system's verdict: all its conditions must hold; where they carry a `group` (a claim
+    that one of several variants holds, such as "at least one graft"), one group whose
+    conditions all hold suffices, and it does not reproduce only when every group fails."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for c in record["conditions"]:
+        groups.setdefault(c.get("group", ""), []).append(c)
+    found = {_all_of(members) for members in groups.values()}
+    if REPRODUCES in found:
+        return REPRODUCES
+    return FAILS if found == {FAILS} else INCONCLUSIVE
 
 
 def _number(value: Any) -> bool:
@@ -143,6 +156,8 @@ def check_record(record: Any, name: str) -> dict[str, Any]:
         known = [*METRICS, *ROOM_METRICS]
         need(c.get("metric") is None or c.get("metric") in known, f"metric: one of {known}")
         need(isinstance(c.get("reference", ""), str), "a condition's reference is an arm")
+        need(isinstance(c.get("group", ""), str), "a condition's group is a name")
+        need(("group" in c) == ("group" in conditions[0]), "every condition or none has a group")
         missed = c.get("missed", 0)
         need(isinstance(missed, int) and not isinstance(missed, bool) and missed >= 0, "missed")
         need(isinstance(c.get("label"), str) and isinstance(c.get("arm"), str), "label, arm")
@@ -225,8 +240,9 @@ def render(records: Sequence[dict[str, Any]]) -> str:
         "typed: a condition **reproduces** when its whole interval lies on the claim's side "
         "of the bar, **does not reproduce** when it lies wholly on the other side, and is "
         "**inconclusive** while the interval holds the bar; a system reproduces when all its "
-        "conditions do. Each record names the command and the `experiments/RESULTS.md` "
-        "section it comes from.\n\n" + _caveat(records)
+        "conditions do (where the claim is that one of several variants holds, when all of "
+        "one variant's do, and it does not when every variant fails). Each record names "
+        "the command and the `experiments/RESULTS.md` section it comes from.\n\n" + _caveat(records)
     )
     cols = ["system", "paper's claim and setting", "our setting", "our figure [95 % interval]"]
     cols += ["verdict", "why (for a non-reproduction)"]

@@ -76,6 +76,37 @@ def test_a_conditions_verdict_follows_its_interval_and_bar(rule, low, high, expe
     assert condition_verdict(condition) == expected
 
 
+def _graft(group: str, lo: float, hi: float) -> list[dict[str, object]]:
+    """One variant's two conditions (accuracy at least -1, bytes at most 1): the first with
+    interval [lo, hi], the second passing."""
+    accuracy = {"group": group, "rule": "at_least", "bar": -1.0, "lo": lo, "hi": hi}
+    return [accuracy, {"group": group, "rule": "at_most", "bar": 1.0, "lo": 0.5, "hi": 0.7}]
+
+
+@pytest.mark.parametrize(
+    ("intervals", "expected"),
+    [
+        ([(-3, -2), (0, 1), (-2, 0)], REPRODUCES),  # one variant holds: enough
+        ([(-3, -2), (-4, -3)], FAILS),  # every variant fails
+        ([(-3, -2), (-2, 0)], INCONCLUSIVE),  # one fails, one is open
+    ],
+)
+def test_one_group_whose_conditions_all_hold_is_enough(intervals, expected):
+    conditions = [c for k, (lo, hi) in enumerate(intervals) for c in _graft(f"g{k}", lo, hi)]
+    assert verdict({"conditions": conditions}) == expected
+    ungrouped = [{k: v for k, v in c.items() if k != "group"} for c in conditions]
+    assert verdict({"conditions": ungrouped}) in (FAILS, INCONCLUSIVE)  # all must hold
+
+
+def test_a_record_groups_every_condition_or_none():
+    mixed = json.loads(json.dumps(load_records()[13]))  # metric grafting
+    for c in mixed["conditions"]:
+        c.pop("group", None)
+    mixed["conditions"][0]["group"] = "graft_apf"
+    with pytest.raises(RecordError, match="every condition or none has a group"):
+        check_record(mixed, "grafting.json")
+
+
 def test_every_committed_verdict_follows_the_rule():
     """Each record's verdict, recomputed here from its intervals: any condition wholly on
     the wrong side fails the system, all wholly on the right side pass it; a failure
@@ -88,7 +119,14 @@ def test_every_committed_verdict_follows_the_rule():
             good = c["hi"] < c["bar"] if c["rule"] == "at_most" else c["lo"] > c["bar"]
             bad = c["lo"] > c["bar"] if c["rule"] == "at_most" else c["hi"] < c["bar"]
             sides.append("good" if good else "bad" if bad else "open")
-        expected = FAILS if "bad" in sides else REPRODUCES if set(sides) == {"good"} else None
+        groups: dict[str, list[str]] = {}
+        for c, side in zip(record["conditions"], sides, strict=True):
+            groups.setdefault(c.get("group", ""), []).append(side)
+        each = {
+            FAILS if "bad" in g else REPRODUCES if set(g) == {"good"} else ""
+            for g in groups.values()
+        }
+        expected = REPRODUCES if REPRODUCES in each else FAILS if each == {FAILS} else None
         assert verdict(record) == (expected or INCONCLUSIVE), record["system"]
         if verdict(record) == FAILS:
             assert len(record["reason"]) > 40 and record["reason"] in page
