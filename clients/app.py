@@ -27,6 +27,7 @@ from clients.cohort import train_cohort as train_cohort_of
 from clients.optimizers import OptimizerState
 from clients.trainer import LocalResult, TrainSettings, train_locally
 from fl.common.config import RUN_CONFIG_KEY, from_run_config, plain, run_config_key
+from fl.common.run_slot import RunSlot
 from fl.common.seeding import derive_seed, derive_seeds, is_seed_word, pin_torch_threads
 from fl.net.transport import bulk_mod
 from fl.net.transport.offer import OFFER
@@ -91,7 +92,7 @@ class _Setup:
     num_clients: int
 
 
-_SETUPS: dict[str, _Setup] = {}
+_SETUP: RunSlot[_Setup] = RunSlot()  # the run's: every message of it reads it
 
 
 def _make_setup(cfg: DictConfig) -> _Setup:
@@ -141,10 +142,7 @@ def _run_config(context: Context) -> dict[str, Any]:
 
 def _setup_of(context: Context) -> _Setup:
     run_config = _run_config(context)
-    key = run_config_key(run_config)
-    if key not in _SETUPS:
-        _SETUPS[key] = _make_setup(from_run_config(run_config))
-    return _SETUPS[key]
+    return _SETUP.get(run_config_key(run_config), lambda: _make_setup(from_run_config(run_config)))
 
 
 def _partition(context: Context, clients: int) -> int:

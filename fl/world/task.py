@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from fl.common.config import ConfigError, check_choice, check_int, check_number, plain, require
+from fl.common.run_slot import RunSlot
 from fl.wire.records import Layout
 from fl.world.data import (
     Dataset,
@@ -190,7 +191,6 @@ class Task:
         return x, y
 
 
-@lru_cache(maxsize=4)
 def _build(key: str) -> Task:
     spec = json.loads(key)
     task, part = spec["task"], spec["partition"]
@@ -277,8 +277,12 @@ def _generated(spec: dict, options: dict, device: torch.device) -> Task:
     return Task(dataset, None, task["model"], hidden, spec["seed"], device, devices)
 
 
+_RUN_TASK: RunSlot[Task] = RunSlot()  # a run asks for it several times (preflight, server, clients)
+
+
 def get_task(cfg: DictConfig) -> Task:
-    """The task of a run config (built on first use in this process)."""
+    """The task of a run config, built on first use in this process (another run's task, a
+    sweep's previous job's, is let go first)."""
     spec = {
         "task": plain(cfg.task),
         "partition": plain(cfg.partition),
@@ -288,7 +292,8 @@ def get_task(cfg: DictConfig) -> Task:
         "evaluate_on": cfg.get("evaluate_on", "test"),
         "validation_fraction": cfg.get("validation_fraction", 0.1),
     }
-    return _build(json.dumps(spec, sort_keys=True))
+    key = json.dumps(spec, sort_keys=True)
+    return _RUN_TASK.get(key, lambda: _build(key))
 
 
 def check_task(cfg: DictConfig) -> None:
