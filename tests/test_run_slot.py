@@ -5,7 +5,10 @@ data, up to four tasks and every setup, until joblib retired the worker."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from flwr.app import Context, RecordDict
@@ -52,6 +55,25 @@ def test_a_failed_make_leaves_the_slot_empty_and_the_next_call_makes_again():
     with pytest.raises(ValueError, match="bad run"):
         slot.get("run-a", fail)
     assert isinstance(slot.get("run-a", _Data), _Data)
+
+
+def test_threads_asking_at_once_share_one_value_made_once():
+    slot: RunSlot[_Data] = RunSlot()
+    made = []
+    gate = threading.Barrier(8)
+
+    def make() -> _Data:
+        made.append(1)
+        time.sleep(0.05)  # a slow build: the other threads ask meanwhile
+        return _Data()
+
+    def ask() -> _Data:
+        gate.wait()
+        return slot.get("run-a", make)
+
+    with ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(lambda _: ask(), range(8)))
+    assert len(made) == 1 and all(v is values[0] for v in values)
 
 
 def test_a_sweeps_next_job_frees_the_last_jobs_task_and_client_setup():
