@@ -329,22 +329,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("name either --reference or --pair ARM REF")
     if args.to_target is not None and args.reference is None:
         parser.error("--to-target reads against one --reference")
-    arms = seed_arms([job for sweep in args.sweeps for job in find_runs(sweep)])
-    if not arms:
-        parser.error("no arm ran several seeds in these sweeps")
-    if args.to_target is not None:
-        result = to_target(
-            arms, args.reference, args.to_target, args.margin, args.reach_window, args.measure
-        )
-        print(target_table(result, args.reference, args.ratio_bar), end="")
-    else:
-        pairs = [tuple(p) for p in args.pair]
-        result = paired(
-            arms, args.reference, args.window, args.equal_time, pairs=pairs, sent=args.bytes
-        )
-        print(table(result, args.bar, args.ratio_bar), end="")
-    if args.json:
-        write_atomic(args.json, json.dumps(result, indent=1) + "\n")
+    try:
+        arms = seed_arms([job for sweep in args.sweeps for job in find_runs(sweep)])
+        if not arms:
+            parser.error("no arm ran several seeds in these sweeps")
+        if args.to_target is not None:
+            result = to_target(
+                arms, args.reference, args.to_target, args.margin, args.reach_window, args.measure
+            )
+            text = target_table(result, args.reference, args.ratio_bar)
+        else:
+            pairs = [tuple(p) for p in args.pair]
+            result = paired(
+                arms, args.reference, args.window, args.equal_time, pairs=pairs, sent=args.bytes
+            )
+            text = table(result, args.bar, args.ratio_bar)
+        if args.json:
+            write_atomic(args.json, json.dumps(result, indent=1) + "\n")
+    except (ValueError, OSError) as err:  # a missing arm, a bad row, an unreadable file
+        print(f"room_table: {err}", file=sys.stderr)
+        return 2
+    print(text, end="")
     return 0
 
 

@@ -132,6 +132,21 @@ def test_a_pair_with_its_own_reference_and_its_bytes(tmp_path, capsys):
     assert row.endswith("| 0.60 [0.60, 0.60] | 0.600 / 0.600 / 0.600 | reproduces |")
 
 
+def test_an_arm_a_resumed_sweep_started_pairs_with_the_others(tmp_path, capsys):
+    sweep = _grafts(tmp_path)
+    saved = sweep / "5" / ".hydra" / "overrides.yaml"  # graft_apf, seed 2
+    saved.write_text(yaml.safe_dump([*yaml.safe_load(saved.read_text()), "resume=true"]))
+    args = [str(sweep), "--pair", "strategy=graft_apf", "strategy=apf", "--window", "2"]
+    assert room_table.main(args) == 0
+    assert "| strategy=graft_apf − strategy=apf | 0,1,2 |" in capsys.readouterr().out
+
+
+def test_a_missing_arm_is_one_line(tmp_path, capsys):
+    args = [str(_grafts(tmp_path)), "--pair", "strategy=graft_gift", "strategy=gift"]
+    assert room_table.main(args) == 2
+    assert capsys.readouterr().err.startswith("room_table: no arm 'strategy=graft_gift'")
+
+
 def test_bytes_to_target(tmp_path):
     """The target is the reference's last-2 mean (0.585) minus 1 point: 0.575, which the
     original reaches at its round 9 (0.58) and the graft (1 point lower) at round 10, except

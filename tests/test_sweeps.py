@@ -26,6 +26,7 @@ from conftest import REPO, fl_env, fl_run_cmd, python_run, read_metrics, without
 from netns import require_netns
 
 from fl.common.config import ConfigError, compose
+from fl.run.compare import find_runs, seed_arms
 from fl.run.validation import validate
 
 TINY = [
@@ -159,6 +160,14 @@ def test_a_sweep_killed_half_way_is_completed_by_resume_without_rerunning_finish
     assert "resumed from round 40" in (killed / "0" / "run.log").read_text()  # nothing rerun
     assert "holds no run yet: starting this arm" in out  # the arm never started
     assert len(_arms(killed)) == 3 and (killed / "comparison.md").exists()
+    # the arm the resume started is labelled as the one the first command would have run:
+    # its saved command line leaves out resume=true, and old ones that kept it are read so
+    assert "resume" not in (killed / "2" / ".hydra" / "overrides.yaml").read_text()
+    labels = set(seed_arms(find_runs(reference)))
+    assert set(seed_arms(find_runs(killed))) == labels
+    saved = killed / "2" / ".hydra" / "overrides.yaml"
+    saved.write_text(saved.read_text() + "- resume=true\n")  # as fl-run saved it before
+    assert set(seed_arms(find_runs(killed))) == labels
 
 
 def test_an_optuna_study_tunes_on_validation_and_resumes_from_its_sqlite_file(tmp_path):

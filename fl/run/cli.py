@@ -31,7 +31,7 @@ from fl.common.errors import RunError
 from fl.common.files import make_dir, read_regular_text, write_atomic
 from fl.run.override_keys import check_override_keys
 from fl.run.settings import OUTPUT_DIR_RULE, run_overrides
-from fl.run.tracking import holds_run, refuse_existing_run
+from fl.run.tracking import holds_run, refuse_existing_run, run_defining
 from fl.run.validation import validate
 
 __all__ = ["latest_run", "main", "preflight"]
@@ -48,7 +48,7 @@ def _save_overrides(out_dir: Path, *, resume: bool) -> None:
     if resume and path.exists():
         return  # a resume keeps the command line that started the run
     make_dir(path.parent)
-    write_atomic(path, yaml.safe_dump(list(HydraConfig.get().overrides.task)))
+    write_atomic(path, yaml.safe_dump(run_defining(list(HydraConfig.get().overrides.task))))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -164,8 +164,7 @@ def _expand_resume_latest(argv: list[str]) -> list[str]:
         saved = run_overrides(yaml.safe_load(text), str(saved_path), _group_options)
     except (RunError, ConfigError, yaml.YAMLError, UnicodeDecodeError) as err:
         raise SystemExit(f"fl-run: resume=latest: {run_dir}: {err}") from None
-    own_keys = ("resume", "overwrite")
-    kept = [o for o in saved if o.lstrip("+~").split("=", 1)[0] not in own_keys]
+    kept = run_defining(saved)  # runs saved before these were left out carry them
     rest = [a for a in argv if a != "resume=latest"]
     print(f"fl-run: resuming {run_dir}", flush=True)
     return [*kept, *rest, f"hydra.run.dir={run_dir}", "resume=true"]

@@ -34,6 +34,7 @@ from fl.run.intervals import (
     few_seeds_warning,
     interval,
 )
+from fl.run.tracking import run_defining
 
 __all__ = [
     "NOT_REACHED",
@@ -69,13 +70,14 @@ class Run(NamedTuple):
 
 
 def load_run(run_dir: Path) -> Run:
-    """A finished run's outputs; `experiment=` is left out of its overrides."""
+    """A finished run's outputs; `experiment=` and the invocation's own controls
+    (`resume=`, `overwrite=`: `fl.run.tracking.CONTROL_KEYS`) are left out of its overrides."""
     path = run_dir / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(read_regular_text(path)) if path.exists() else []
     metrics = read_regular_text(run_dir / "metrics.jsonl")
     rows = [json.loads(line) for line in metrics.splitlines()]
     summary = json.loads(read_regular_text(run_dir / "summary.json"))
-    kept = [o for o in overrides or [] if not o.startswith("experiment=")]
+    kept = [o for o in run_defining(overrides or []) if not o.startswith("experiment=")]
     return Run(run_dir.name, kept, rows, summary)
 
 

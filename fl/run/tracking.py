@@ -26,6 +26,7 @@ from fl.common.files import (
 )
 
 __all__ = [
+    "CONTROL_KEYS",
     "LOGGERS",
     "RUN_FILES",
     "RunLog",
@@ -34,8 +35,20 @@ __all__ = [
     "holds_run",
     "reached_target",
     "refuse_existing_run",
+    "run_defining",
     "summarize",
 ]
+
+# Overrides that say how one invocation treats its run folder, never what the run is: a
+# resumed sweep passes resume=true to the arms it starts fresh too, and their command
+# lines, saved beside them, must label them as the arms they are.
+CONTROL_KEYS = ("resume", "overwrite")
+
+
+def run_defining(overrides: list[str]) -> list[str]:
+    """`overrides` without the invocation's own controls (CONTROL_KEYS)."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in CONTROL_KEYS]
+
 
 # What a run leaves in its directory; any of them means the directory holds a run.
 LOGGERS = ("jsonl", "wandb")
