@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from fl import OFFLINE_ENV  # telemetry, usage stats and update checks off
 from fl.common.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,12 +72,14 @@ WARM_RUN = 'import sys, torch._dynamo; from fl.run.cli import main; sys.argv[0] 
 # the cohort arm trains without torch.optim and never imports torch._dynamo (~1 CPU s): it
 # starts without it, and fails if a run of it imported it after all (then warm it again)
 # (and leaves the names of the modules it imported, in order, where BENCH_MODULES says,
-# never through a link)
+# if it says, never through a link: bench_scale.py runs this arm without it)
 COHORT_RUN = (
     'import sys; from fl.run.cli import main; sys.argv[0] = "fl-run"; main(); '
     'assert "torch._dynamo" not in sys.modules, "the cohort arm imported torch._dynamo"; '
     "import json, os; from fl.common.files import write_atomic; "
-    "write_atomic(os.environ['BENCH_MODULES'], json.dumps(list(sys.modules)))"
+    "path = os.environ.get('BENCH_MODULES')\n"
+    "if path:\n"
+    "    write_atomic(path, json.dumps(list(sys.modules)))"
 )
 # the floor of the cohort arm's CPU seconds: the modules its run imported, imported in the
 # same order and nothing run (a few extensions' private names import only through their
@@ -98,12 +101,6 @@ for name in names:
 CHECK_GOALS = {"cohort_ratio": 0.12, "flower_cpu": 25.0, "rss_mb": 1024.0}
 SAMPLE_EVERY_S = 0.2
 PR_SET_CHILD_SUBREAPER = 36
-OFFLINE_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 
 
 # ----- the workload, shared by the plain arm and the Flower ClientApp -----------------------
