@@ -44,7 +44,6 @@ from experiments.bench_many_clients import (
     IID,
     LOCAL_EPOCHS,
     NUM_CLASSES,
-    OFFLINE_ENV,
     PR_SET_CHILD_SUBREAPER,
     REPO,
     SAMPLES_PER_DEVICE,
@@ -58,6 +57,7 @@ from experiments.bench_many_clients import (
     reap_descendants,
     test_accuracy,
 )
+from fl import OFFLINE_ENV  # telemetry, usage stats and update checks off
 from fl.common.files import write_atomic
 
 SELECT_TAG = 0x5E1  # fl.strategy.server.ServerStrategy.select's stream

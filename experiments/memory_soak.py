@@ -26,15 +26,10 @@ from typing import Any
 import numpy as np
 import psutil
 
+from fl import OFFLINE_ENV  # telemetry, usage stats and update checks off
 from fl.common.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
-OFFLINE_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 MB = 2**20
 
 

@@ -19,13 +19,9 @@ from pathlib import Path
 
 import psutil
 
+from fl import OFFLINE_ENV  # telemetry, usage stats and update checks off
+
 REPO = Path(__file__).resolve().parent.parent
-OFFLINE_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 JOB_START = "fl-run: run directory "  # fl-run's first line for each job
 
 
