@@ -321,6 +321,54 @@ def test_masked_rejects_bad_bitmap_and_wrong_mask(vector, base):
         decode(content(held), LAYOUT, base=base, mask=HELD.int())
 
 
+def test_masked_under_a_stage_scales_each_tensor_alone():
+    # w moves by ~100, b by ~0.01: one scale for both rounds every b value to 0 at 4 bits
+    vector = torch.cat(
+        [torch.linspace(-100, 100, 48), torch.linspace(0.01, 0.08, 8), torch.ones(1)]
+    )
+    mask = torch.ones(D, dtype=torch.bool)
+    mask[:8] = False
+    one_scale = decode(
+        content(encode(vector, "masked+q4", mask=mask)), LAYOUT, base=torch.zeros(D), mask=mask
+    )
+    assert one_scale[48:56].abs().max() == 0
+    payload = encode(vector, "masked+q4", mask=mask, layout=LAYOUT)
+    assert sorted(payload["arrays"]) == sorted(
+        f"values.{i}{part}" for i in range(3) for part in ("", ":scale", ":shape")
+    )
+    decoded = decode(content(payload), LAYOUT, base=torch.zeros(D), mask=mask)
+    assert decoded[48:56].tolist() == pytest.approx(
+        vector[48:56].tolist(), abs=0.08 / 7 / 2 * 1.001
+    )
+    assert decoded[:8].tolist() == [0.0] * 8  # not sent: the base
+    # bytes: per tensor its packed codes, a float32 scale and an int64 shape (40, 8, 1 values)
+    assert measured(payload) == Traffic((20 + 4 + 8) + (4 + 4 + 8) + (1 + 4 + 8))
+    # unstaged, the values' bytes do not depend on the split
+    split = encode(vector, "masked", mask=mask, layout=LAYOUT)
+    assert measured(split) == measured(encode_masked(vector, mask, ship_mask=False))
+    assert torch.equal(
+        decode(content(split), LAYOUT, base=torch.zeros(D), mask=mask), vector * mask
+    )
+
+
+@pytest.mark.parametrize(
+    ("arrays", "error"),
+    [
+        ({"values.3": np.ones(1, np.float32)}, r"extra arrays \['values.3'\]"),
+        (
+            {"values": np.ones(5, np.float32)},
+            r"extra arrays \['values.0', 'values.1', 'values.2'\]",
+        ),
+        ({"values.1": np.ones(3, np.float32)}, "3 values for 8"),
+        ({"values.0": None}, "no array 'values.0'"),
+    ],
+)
+def test_masked_per_tensor_rejects(arrays, error, vector, base):
+    payload = encode(vector, "masked", mask=torch.ones(D, dtype=torch.bool), layout=LAYOUT)
+    with pytest.raises(CodecError, match=error):
+        decode(tampered(payload, **arrays), LAYOUT, base=base, mask=torch.ones(D, dtype=torch.bool))
+
+
 def test_grouped_rejects(vector):
     keys = torch.tensor([0, 1, 1] * 19)
     payload = encode_grouped(vector, keys)

@@ -215,8 +215,8 @@ def encode_update(
         return encode(delta, "grouped" + stage, groups=groups)
     if fraction < 1:
         return encode(delta, "topk" + stage, base=torch.zeros_like(delta), fraction=fraction)
-    if mask is not None:
-        return encode(delta, "masked" + stage, mask=mask)
+    if mask is not None:  # under a value stage, one array (so one scale) per tensor
+        return encode(delta, "masked" + stage, mask=mask, layout=layout if stage else None)
     return encode(delta, "dense" + stage, layout=layout)
 
 

@@ -94,18 +94,34 @@ class Dense(Codec):
 
 
 class Masked(Codec):
-    """The scalars where a mask is True, as one vector; the mask travels or is held."""
+    """The scalars where a mask is True; the mask travels or is held.
+
+    Without a layout the values travel as one array; with one (`encode_update` passes it
+    under a value stage), as one array per tensor, `values.<i>`, so a stage scales each
+    tensor on its own as it does dense ones: one scale for a whole model rounds a small
+    layer's update to zero at 4 bits. The values' bytes are the same either way.
+    """
 
     name = "masked"
     control = frozenset({"mask"})
-    names = frozenset({"values", "mask"})
 
     def encode(self, vector: torch.Tensor, options: Options) -> ArrayRecord:
-        """`values`, and with `ship_mask` the mask as a bitmap (d/8 bytes of control)."""
+        """The values, and with `ship_mask` the mask as a bitmap (d/8 bytes of control)."""
         mask = require(options.mask, "masked needs a mask")
         if mask.dtype != torch.bool or mask.shape != vector.shape:
             raise CodecError(f"mask is {mask.dtype} {tuple(mask.shape)}, not bool like vector")
-        arrays = array_record({"values": numpy_to_array(_float32(vector[mask]))})
+        if options.layout is None:
+            arrays = array_record({"values": numpy_to_array(_float32(vector[mask]))})
+        else:
+            if options.layout.numel != vector.numel():
+                raise CodecError(
+                    f"vector has {vector.numel()} scalars, the layout {options.layout.numel}"
+                )
+            sizes = list(options.layout.sizes)
+            pieces = zip(vector.split(sizes), mask.split(sizes), strict=True)
+            arrays = array_record(
+                {f"values.{i}": numpy_to_array(_float32(v[m])) for i, (v, m) in enumerate(pieces)}
+            )
         if options.ship_mask:
             arrays["mask"] = bitmap(mask)
         return arrays
@@ -118,8 +134,17 @@ class Masked(Codec):
             raise CodecError("masked payload carries no mask and the receiver has none")
         if mask.dtype != torch.bool or mask.shape != base.shape:
             raise CodecError(f"mask is {mask.dtype} {tuple(mask.shape)}, not bool like base")
+        layout = require(options.layout, "masked payload needs the receiver's layout")
+        per_tensor = "values" not in arrays
+        names = [f"values.{i}" for i in range(len(layout.sizes))] if per_tensor else ["values"]
+        if extra := sorted(set(arrays) - {*names, "mask"}):
+            raise CodecError(f"masked payload has extra arrays {extra}")
+        counts = mask.split(list(layout.sizes)) if per_tensor else [mask]
+        values = [
+            _values(arrays, n, int(m.sum()), self.name) for n, m in zip(names, counts, strict=True)
+        ]
         out = base.clone()
-        out[mask] = _values(arrays, "values", int(mask.sum()), self.name)
+        out[mask] = torch.cat(values)
         return out
 
 
