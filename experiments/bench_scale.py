@@ -97,7 +97,7 @@ def plain_worker(clients: int, per_round: int, rounds: int, result: Path) -> Non
     torch.set_num_threads(1)  # as our engine (torch_threads=1)
     lr = config_lr()
     population = devices(clients)
-    test = population.dataset(test_devices=EVAL_DEVICES)
+    test = population.split(EVAL_DEVICES)[0]
     model = initial_model()
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     rounds_s, rounds_cpu_s, started = [], [], time.time()

@@ -135,3 +135,43 @@ def test_a_bad_value_is_refused_before_torch_is_imported():
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == "fl-run: invalid config: seed='abc': must be an integer in [0, 4294967295]"
     assert lines[-1] == "False False", proc.stderr[-2000:]
+
+
+_COUNTED_RUN = (
+    "import os, sys\n"
+    "import fl.run.override_keys as keys\n"
+    "calls, real = [], keys._compose\n"
+    "keys._compose = lambda overrides: calls.append(overrides) or real(overrides)\n"
+    "from fl.run.cli import main\n"
+    "sys.argv = ['fl-run', *sys.argv[1:]]\n"
+    "try:\n"
+    "    main()\n"
+    "except SystemExit as exit:\n"
+    "    print(exit.code)\n"
+    "print('compositions', len(calls), os.environ.get('HYDRA_FULL_ERROR'))\n"
+)
+
+
+def test_a_command_line_hydra_accepts_is_not_composed_again_for_the_check():
+    """The key check composes only once Hydra has refused the command line: a run Hydra
+    accepts pays no extra composition (~0.1 CPU s), and Hydra's own error switch is left
+    as the user had it."""
+    argv = ["--cfg", "job", "rounds=3", "task.hidden=[8]", "strategy=fedprox", "strategy.mu=0.1"]
+    proc = python_run([sys.executable, "-c", _COUNTED_RUN, *argv], timeout=120)
+    assert "mu: 0.1" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "compositions 0 None"
+    proc = python_run([sys.executable, "-c", _COUNTED_RUN, "strategy.muu=1"], timeout=120)
+    assert proc.stdout.strip().splitlines()[-2:] == [
+        "fl-run: strategy.muu: strategy has no key 'muu' (with strategy=fedavg); its keys: name",
+        "compositions 1 None",
+    ]
+
+
+def test_a_refused_command_line_that_is_no_key_typo_reads_as_hydra_prints_it(tmp_path):
+    proc = python_run(fl_run_cmd(f"hydra.run.dir={tmp_path / 'run'}", "rounds=[1"), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "no viable alternative at input '[1'"
+    assert (
+        lines[-1] == "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+    )

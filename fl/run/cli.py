@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 OUTPUTS = Path("outputs")  # where `hydra.run.dir` points by default (conf/config.yaml)
 OVERRIDES = Path(".hydra") / "overrides.yaml"  # the command line of a run, for labels and resume
 JOB_LOG = "run.log"  # Hydra's job log (conf/config.yaml: hydra.job.name)
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra raises what it would print
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
 
 
 def _save_overrides(out_dir: Path, *, resume: bool) -> None:
@@ -219,10 +222,40 @@ def main() -> None:
         versions = f"flwr {version('flwr')}, torch {version('torch')}"
         print(f"adaptive-fl {version('adaptive-fl')} ({versions})")
         return
-    _check_choices(sys.argv[1:])
-    check_override_keys(sys.argv[1:], _groups())
-    sys.argv[1:] = _expand_resume_latest(sys.argv[1:])
-    _main()
+    argv = sys.argv[1:]
+    _check_choices(argv)
+    sys.argv[1:] = _expand_resume_latest(argv)
+    with _key_typos_named(argv):
+        _main()
+
+
+@contextlib.contextmanager
+def _key_typos_named(argv: list[str]) -> Iterator[None]:
+    """Hydra prints a refused command line as a dump that advises `+strategy.muu=0.1`;
+    told to raise instead (HYDRA_FULL_ERROR, for this process), it lets a key typo be named
+    in one line here (`check_override_keys`, which composes the config only now, not
+    before every run: ~0.1 CPU s). Other composition errors print as Hydra prints them;
+    anything else raised with its whole traceback (a bug, not a command line to fix)."""
+    from hydra.errors import CompactHydraException, ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chosen = os.environ.get(HYDRA_FULL_ERROR)
+    os.environ[HYDRA_FULL_ERROR] = "1"
+    try:
+        yield
+    except CompactHydraException as err:
+        if chosen is not None:
+            raise  # the user asked for Hydra's full error
+        if isinstance(err, ConfigCompositionException):
+            check_override_keys(argv, _groups())  # exits in one line if a key is misspelt
+        cause = err.__cause__  # what Hydra prints beside its own line
+        detail = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
+        raise SystemExit(f"{err}{detail}\n\n{HYDRA_HINT}") from None
+    finally:
+        if chosen is None:
+            os.environ.pop(HYDRA_FULL_ERROR, None)
+        else:
+            os.environ[HYDRA_FULL_ERROR] = chosen
 
 
 if __name__ == "__main__":

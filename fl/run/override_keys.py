@@ -1,9 +1,9 @@
 """Overrides of keys the config does not have (`strategy.muu=0.1`), refused in one line.
 
 Hydra's own error is a seven-line dump that advises `+strategy.muu=0.1`, which would add
-the typo as a new key; this check composes the config first (without the values, which
-the checks of `fl.run.validation` judge later) and names the closest existing key instead.
-It needs no torch, so a typo costs the time of one composition, not of a run's imports.
+the typo as a new key; once Hydra has refused a command line (`fl.run.cli`), this check
+composes the config again without the suspect keys (and without the values, which the
+checks of `fl.run.validation` judge later) and names the closest existing key instead.
 """
 
 from __future__ import annotations

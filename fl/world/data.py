@@ -222,18 +222,27 @@ class SyntheticDevices:
 
     def train(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device `k`'s training samples."""
-        x, y = self.device(k)
+        return self._train_part(k, *self.device(k))
+
+    def _train_part(
+        self, k: int, x: np.ndarray, y: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n_test = int(self.test_sizes[k])
         return torch.from_numpy(x[n_test:]), torch.from_numpy(y[n_test:])
 
-    def dataset(self, test_devices: int | None = None) -> Dataset:
-        """Every device's samples as one Dataset; `groups` holds each train sample's device.
+    def dataset(self) -> Dataset:
+        """Every device's samples as one Dataset; `groups` holds each train sample's device."""
+        return self._assembled(self.num_devices, lazy=False)[0]
 
-        With `test_devices`, the train split is left empty (clients read theirs through
-        `train`) and the test split is the held-out samples of the first `test_devices`.
-        """
-        lazy = test_devices is not None
-        count = self.num_devices if test_devices is None else min(self.num_devices, test_devices)
+    def split(self, test_devices: int) -> tuple[Dataset, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The held-out samples of the first `test_devices` as a Dataset with an empty train
+        split (clients read theirs through `train`), and those devices' training samples as
+        `train` gives them: generated once for both."""
+        return self._assembled(min(self.num_devices, test_devices), lazy=True)
+
+    def _assembled(
+        self, count: int, *, lazy: bool
+    ) -> tuple[Dataset, list[tuple[torch.Tensor, torch.Tensor]]]:
         devices = [self.device(k) for k in range(count)]
         held_out = [np.arange(len(y)) < self.test_sizes[k] for k, (_, y) in enumerate(devices)]
         is_test = torch.from_numpy(np.concatenate(held_out))
@@ -241,7 +250,7 @@ class SyntheticDevices:
         y_all = torch.from_numpy(np.concatenate([y for _, y in devices]))
         train = torch.zeros_like(is_test) if lazy else ~is_test
         groups = np.repeat(np.arange(count, dtype=np.int64), self.train_sizes[:count])
-        return Dataset(
+        dataset = Dataset(
             name="synthetic",
             x_train=x_all[train],
             y_train=y_all[train],
@@ -250,6 +259,8 @@ class SyntheticDevices:
             num_classes=self.num_classes,
             groups=None if lazy else groups,
         )
+        trains = [self._train_part(k, x, y) for k, (x, y) in enumerate(devices)] if lazy else []
+        return dataset, trains
 
 
 def _load_synthetic(

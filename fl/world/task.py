@@ -173,6 +173,13 @@ class Task:
             self.client_data(partition)
         return self.devices.num_devices
 
+    def keep_generated(self, trains: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The first clients' training data, made with the test set (`SyntheticDevices.split`):
+        kept where the population fits the cache, as `client_data` would keep it."""
+        if self.devices is not None and self._keeps_generated:
+            for partition, (x, y) in enumerate(trains):
+                self._generated[partition] = x.to(self.device), y.to(self.device)
+
     def client_data(self, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The train tensors of one client, on the task's device."""
         if self.devices is not None:
@@ -272,9 +279,11 @@ def _generated(spec: dict, options: dict, device: torch.device) -> Task:
             f"invalid config: num_clients={clients}: partition=natural makes one client per "
             f"device, but task.options.num_devices={devices.num_devices}"
         )
-    dataset = devices.dataset(test_devices=EVAL_DEVICES)
+    dataset, trains = devices.split(EVAL_DEVICES)
     hidden = tuple(task.get("hidden") or ())
-    return Task(dataset, None, task["model"], hidden, spec["seed"], device, devices)
+    made = Task(dataset, None, task["model"], hidden, spec["seed"], device, devices)
+    made.keep_generated(trains)
+    return made
 
 
 _RUN_TASK: RunSlot[Task] = RunSlot()  # a run asks for it several times (preflight, server, clients)
