@@ -18,14 +18,10 @@ import forkrun
 import pytest
 import quick
 
+from fl import OFFLINE_ENV
+
 REPO = Path(__file__).resolve().parent.parent
-OFFLINE = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "WANDB_MODE": "offline",
-}
+OFFLINE = {**OFFLINE_ENV, "WANDB_MODE": "offline"}  # tests stay offline whatever the user set
 os.environ.update(OFFLINE)
 # torch picks its CPU kernels by the machine's instruction set, and its AVX-512 kernels round
 # sums differently from its AVX2 ones: recorded figures are AVX2's, on any x86 machine.
