@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# our packages (pyproject's packages.find): their bytecode is compiled before each entry
-# point, as pip does for an installed package, since an editable install never writes it
-# where PYTHONDONTWRITEBYTECODE is set (containers): ~0.15 CPU s of every process otherwise
-PACKAGES := fl strategies privacy clients server hydra_plugins
+# our packages, read from pyproject's packages.find (as experiments/bench_many_clients.py
+# reads them): their bytecode is compiled before each entry point, as pip does for an
+# installed package, since an editable install never writes it where
+# PYTHONDONTWRITEBYTECODE is set (containers): ~0.15 CPU s of every process otherwise
+PACKAGES := $(shell sed -n 's/^include = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '",*')
 
 .PHONY: setup bytecode run test test-quick test-all lint bench bench-transport clean
 
