@@ -244,8 +244,8 @@ def _key_typos_named(argv: list[str]) -> Iterator[None]:
     try:
         yield
     except CompactHydraException as err:
-        if chosen is not None:
-            raise  # the user asked for Hydra's full error
+        if chosen == "1":
+            raise  # the user asked for Hydra's full error (Hydra reads "1" alone as asking)
         if isinstance(err, ConfigCompositionException):
             check_override_keys(argv, _groups())  # exits in one line if a key is misspelt
         cause = err.__cause__  # what Hydra prints beside its own line
