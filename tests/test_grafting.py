@@ -184,6 +184,19 @@ def test_mdma_freezes_first_then_pools_the_period_metric_over_the_unfrozen_part(
     assert decoded[2:].tolist() == pytest.approx([0.5, -0.25], abs=0.5 / 14)
 
 
+def test_a_frozen_graft_quantises_each_layer_with_its_own_scale():
+    """MDMA's masked 4-bit update: one scale per tensor, as a dense one has, so a layer whose
+    update is 1000x smaller than another's is not rounded to zero (it was, with one scale)."""
+    layout = Layout.of({"conv": torch.zeros(6), "fc": torch.zeros(4)})
+    delta = torch.tensor([-30.0, 10.0, 20.0, 30.0, 5.0, 0.0, 0.01, -0.02, 0.03, 0.0])
+    active = torch.tensor([True] * 5 + [False] + [True] * 3 + [False])
+    payload = encode_update(delta, layout, bits=4, mask=active)
+    decoded = decode_update(RecordDict(payload), layout, mask=active)
+    assert decoded[6:9].tolist() == pytest.approx([0.01, -0.02, 0.03], abs=0.03 / 7 / 2 * 1.001)
+    assert decoded[[5, 9]].tolist() == [0.0, 0.0]  # frozen: not sent
+    assert payload_traffic(RecordDict(payload)).payload == (3 + 4 + 8) + (2 + 4 + 8)
+
+
 # ----- a graft moves its original's knob across the original's own range (issue 35) ----
 def _consistency_run(action: str, series: list[float]) -> list[float]:
     """The setting of `action` after each round of a consistency-driven graft fed `series`
