@@ -191,7 +191,8 @@ def load_records(folder: Path = RECORDS) -> list[dict[str, Any]]:
 
 def _condition_cell(c: dict[str, Any]) -> str:
     bar = ("≤ " if c["rule"] == "at_most" else "≥ ") + f"{c['bar']:g}"
-    n = f", {len(c['seeds'])} seeds" if c.get("seeds") else ""
+    seeds = len(c.get("seeds") or [])
+    n = f", {seeds} seed{'s' if seeds > 1 else ''}" if seeds else ""
     plural = "s" if c.get("missed", 0) > 1 else ""
     missed = f", target missed on {c['missed']} seed{plural}" if c.get("missed") else ""
     if c["mean"] is None:

@@ -159,6 +159,7 @@ def test_record_mode_fills_a_record_from_a_sweeps_paired_figures(tmp_path):
     follows from them; the page renders from the new record."""
     sweep, records = tmp_path / "sweep", tmp_path / "records"
     shutil.copytree(scoreboard.RECORDS, records)
+    _small_workload_apf(records / "apf.json")
     apf = {0: (0.95, 50.0), 1: (0.94, 45.0), 2: (0.96, 55.0)}
     for seed, (final, traffic) in apf.items():
         _run(sweep / str(2 * seed), ["strategy=fedavg", f"seed={seed}"], 0.95, 100.0, 10.0)
@@ -172,6 +173,37 @@ def test_record_mode_fills_a_record_from_a_sweeps_paired_figures(tmp_path):
     assert record["source"]["date"] == "2026-12-05"
     assert json.loads((records / "apf.json").read_text()) == record
     assert "**0.500** [0.376, 0.624]" in render(load_records(records))
+
+
+def _small_workload_apf(path: Path) -> None:
+    """APF's record as it was on the small workload: traffic and Δ accuracy of whole runs,
+    the figures `--record` pairs from a sweep's summaries."""
+    record = json.loads(path.read_text())
+    record["conditions"] = [
+        {
+            "label": "traffic as sent × FedAvg",
+            "arm": "strategy=apf",
+            "metric": "traffic",
+            "rule": "at_most",
+            "bar": 0.6,
+            "mean": 0.7,
+            "lo": 0.6,
+            "hi": 0.8,
+            "seeds": None,
+        },
+        {
+            "label": "Δ final accuracy (points)",
+            "arm": "strategy=apf",
+            "metric": "final_accuracy",
+            "rule": "at_least",
+            "bar": -1.0,
+            "mean": 0.5,
+            "lo": -0.5,
+            "hi": 1.5,
+            "seeds": None,
+        },
+    ]
+    path.write_text(json.dumps(record))
 
 
 def test_record_mode_names_a_missing_arm(tmp_path):
@@ -211,7 +243,8 @@ def test_check_mode_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
 def test_the_caveat_names_each_row_by_its_workload():
     caveat = render(load_records()).split("**Caveat (issue 35).**")[1].split("\n")[0]
     room, small = caveat.split("Measured on the small workloads")
-    assert "GIFT" in room and "APF" not in room
+    names = room.split(":")[1].strip(" .").split(", ")
+    assert "GIFT" in names and "APF" in names and "APF#" not in names
     assert "APF#" in small and "DPBalance" not in small.split(";")[0]  # no model: its own
     assert "DPBalance: simulated budget scheduler (no FL model)." in caveat
 
