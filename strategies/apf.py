@@ -56,7 +56,7 @@ class APFParams:
     threshold: float = 0.05  # T_s: stable when P < T_s
     tighten_above: float = 0.8  # halve T_s while more than this fraction is frozen
     sharp_probability: float = 0.5  # APF#: chance an active scalar is frozen one more interval
-    plus_a1: float = 1 / 2000  # APF++: freezing probability a1 * round, capped below
+    plus_a1: float = 1 / 2000  # APF++: chance a1 * round (ResNet-18 value; LeNet-5: 1/4000)
     plus_a2: float = 1 / 20  # APF++: length uniform in [1, 1 + a2 * round] intervals
     plus_max_probability: float = 0.5  # cap from the ICDCS draft (our choice for APF++)
     lazy_frozen: bool = False  # partial participation: send only active scalars (ours)
