@@ -118,26 +118,33 @@ def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # The longest files first. xdist hands a worker whole files in collection order (pyproject:
 # --dist loadfile --no-loadscope-reorder; its default puts the files with fewest tests last,
 # which are the long end-to-end ones): a long file at the end leaves the other worker idle.
-# Wall times on two workers, longest first; any file not named runs after these.
+# Worker seconds per file, longest first (`pytest --durations=0` summed by file, 2026-12-06, 2
+# quiet cores); any file not named runs after these, in collection order.
 LONGEST_FIRST = (
-    "test_run.py",
-    "test_engine_flower_sim.py",  # Ray: mostly waiting, good company for a busy worker
-    "test_presets.py",  # one worker runs every quick sweep (about 110 s)
-    "test_sweeps.py",  # launchers, a killed sweep, a tuned preset (about 120 s)
-    "test_run_dir.py",
-    "test_outsiders.py",
-    "test_tls_deployment.py",
-    "test_deployment.py",
-    "test_privacy_dpsgd.py",
-    "test_robust.py",
-    "test_config_errors.py",
-    "test_resume.py",
-    "test_gift.py",
-    "test_faults.py",
-    "test_loops.py",
-    "test_trusted_figures.py",
-    "test_ledger_races.py",
-    "test_dpbalance_fl.py",
+    "test_sweeps.py",  # 96 s: launchers, a killed sweep, a tuned preset
+    "test_presets.py",  # 67 s: every quick sweep
+    "test_engine_flower_sim.py",  # 62 s, Ray: mostly waiting, good company for a busy worker
+    "test_run_dir.py",  # 47 s
+    "test_strategy_identity.py",  # 26 s
+    "test_run.py",  # 26 s
+    "test_tls_deployment.py",  # 24 s
+    "test_outsiders.py",  # 21 s
+    "test_deployment.py",  # 21 s
+    "test_privacy_dpsgd.py",  # 17 s
+    "test_config_errors.py",  # 16 s
+    "test_cohort.py",  # 15 s
+    "test_quick_target.py",  # 13 s
+    "test_ledger_races.py",  # 12 s
+    "test_optimizers.py",  # 9 s
+    "test_plugin_without_config.py",  # 9 s
+    "test_resume.py",  # 9 s
+    "test_pas.py",  # 8 s
+    "test_safe_writes.py",  # 8 s
+    "test_loops.py",  # 8 s
+    "test_trusted_figures.py",  # 8 s
+    "test_flower_plugin.py",  # 8 s
+    "test_gift.py",  # 7 s
+    "test_robust.py",  # 7 s
 )
 
 
