@@ -16,6 +16,9 @@ from conftest import fl_env, fl_run_cmd, python_run
 from omegaconf import OmegaConf
 from test_presets import EXPERIMENTS, _compose, _sweep_values
 
+from fl.world.devices import MBIT
+from fl.world.models import build_model
+
 SYSTEMS = ["apf", "pas", "gift", "fedsu", "fedca", "lrd2d", "asfl", "r2sp", "lbbsp", "grafting"]
 SYSTEMS += ["dpbalance"]
 # The papers' participation (spec algorithms_a.md §3.5, §5.4, §6.6): the earliest reports a
@@ -123,3 +126,21 @@ def test_paper_preset_without_cifar10_says_so(system, tmp_path):
     assert len(errors) == 1, out[-3000:]
     assert "task.dataset='cifar10': dataset files not found in" in errors[0]
     assert str(empty / "cifar-10-batches-py") in errors[0]
+
+
+def _transfer_in_median_iterations(name: str) -> float:
+    """How many batches a median client trains while the model crosses its link once."""
+    cfg = _compose(name)
+    size = cfg.task.options.size
+    model = build_model(cfg.task.model, (3, size, size), 10, hidden=tuple(cfg.task.hidden))
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert cfg.system.up_mbps == cfg.system.down_mbps
+    return model_bytes / (cfg.system.up_mbps * MBIT) / (cfg.batch_size / cfg.system.speed)
+
+
+def test_fedca_room_compute_moves_a_model_in_the_specs_20_median_iterations():
+    """Spec §6.9's link: a transfer lasts ~20 iterations of a median client. fedca_room's
+    10 Mbit/s, calibrated on the digits MLP, makes LeNet-5's last ~124: the cause its
+    compute-bound variant tests."""
+    assert _transfer_in_median_iterations("fedca_room_compute") == pytest.approx(20, rel=0.02)
+    assert _transfer_in_median_iterations("fedca_room") == pytest.approx(124, rel=0.02)

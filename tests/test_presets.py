@@ -472,6 +472,7 @@ PAPER_MECHANICS: dict[str, Callable[[list[Arm]], None]] = {
     "dpbalance": _ledger_charges,
 }
 MECHANICS |= {f"{s}_{k}": check for s, check in PAPER_MECHANICS.items() for k in ("paper", "room")}
+MECHANICS["fedca_room_compute"] = _fedca_earliest  # fedca_room at the spec's link speed
 # Their quick sweeps take 10-25 s each on 2 busy cores: the default suite runs these few
 # (about 20 s), the others are marked slow (`pytest -m slow tests/test_presets.py`).
 PAPER_QUICK_DEFAULT = {"apf_paper", "dpbalance_room"}
@@ -479,7 +480,7 @@ PAPER_QUICK_DEFAULT = {"apf_paper", "dpbalance_room"}
 
 def _sweep_cases(names: list[str]) -> list[Any]:
     """The presets whose quick sweeps run, the paper/room ones beyond the default few slow."""
-    paper = {n for n in MECHANICS if n.endswith(("_paper", "_room"))}
+    paper = {n for n in MECHANICS if n.endswith(("_paper", "_room")) or "_room_" in n}
     return [
         pytest.param(n, marks=pytest.mark.slow) if n in paper - PAPER_QUICK_DEFAULT else n
         for n in names
