@@ -305,7 +305,8 @@ def _room_values(
     figures: Sequence[Any], c: dict[str, Any], reference: str
 ) -> tuple[list[float], int, tuple[float, float]]:
     """The per-seed values of condition `c`, its number of missed seeds and their bounds,
-    from the first figures file that pairs its arm with `reference`, checked (they are a
+    from the first figures file that pairs its arm with `reference` and holds the metric
+    (one file may hold the time to target, another the accuracy), checked (they are a
     file's contents)."""
     path, bounds = ROOM_METRICS[c["metric"]]
     for found in figures:
@@ -316,6 +317,8 @@ def _room_values(
         entry: Any = arm
         for key in path:
             entry = entry.get(key) if isinstance(entry, dict) else None
+        if entry is None:
+            continue  # this file reads another metric of the arm
         missed = arm.get("missed", []) if c["metric"] == "room_to_target" else []
         ok = isinstance(entry, list) and all(_number(v) for v in entry)
         if not (ok and all(bounds[0] <= v <= bounds[1] for v in entry)):

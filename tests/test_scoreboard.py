@@ -323,3 +323,25 @@ def test_a_missed_target_keeps_a_figure_to_it_from_reproducing(tmp_path):
     (c,) = scoreboard.record_figures([figures], "pas", "cmd", "2026-12-06", records)["conditions"]
     assert c["mean"] is None and condition_verdict(c) == FAILS
     assert "never reached" in render(load_records(records))
+
+
+def test_figures_mode_reads_each_condition_from_the_file_that_holds_its_metric(tmp_path):
+    """FedCA's record: time to target from one room_table.py file, accuracy from another,
+    whichever order they are given in."""
+    records = _room_record(tmp_path, "room_to_target", rule="at_most", bar=0.85)
+    pas = json.loads((records / "pas.json").read_text())
+    accuracy = pas["conditions"][0] | {"label": "Δ accuracy", "metric": "room_delta", "bar": -1.0}
+    pas["conditions"].append(accuracy | {"rule": "at_least"})
+    (records / "pas.json").write_text(json.dumps(pas))
+    time = tmp_path / "time.json"
+    ratios = {"seeds": ["0", "2"], "ratios": [0.9, 1.0], "missed": []}
+    time.write_text(json.dumps({"reference": "strategy=fedavg", "arms": {"strategy=pas": ratios}}))
+    deltas = {"reference": "strategy=fedavg", "seeds": ["0", "1"], "deltas": [1.0, 2.0]}
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"arms": {"strategy=pas": deltas}}))
+    for order in ([time, acc], [acc, time]):
+        record = scoreboard.record_figures(order, "pas", "cmd", "2026-12-06", records)
+        assert [c["seeds"] for c in record["conditions"]] == [[0.9, 1.0], [1.0, 2.0]]
+    acc.write_text(json.dumps({"arms": {"strategy=pas": deltas | {"deltas": [1.0, None]}}}))
+    with pytest.raises(RecordError, match="not numbers within"):
+        scoreboard.record_figures([time, acc], "pas", "cmd", "2026-12-06", records)
