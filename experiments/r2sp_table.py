@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from fl.run.intervals import interval
+from fl.run.tracking import evaluated
 
 TARGETS = (0.90, 0.94)
 BSP = "loop.groups=1 strategy=fedavg"
@@ -42,7 +43,7 @@ def _arm(job: Path) -> tuple[str, int, list[dict[str, Any]]]:
 
 
 def _time_to(rows: list[dict[str, Any]], target: float) -> float | None:
-    return next((r["virtual_time_s"] for r in rows if r["accuracy"] >= target), None)
+    return next((r["virtual_time_s"] for r in evaluated(rows) if r["accuracy"] >= target), None)
 
 
 def table(sweep: Path) -> str:
@@ -64,16 +65,17 @@ def table(sweep: Path) -> str:
                 cells[-1] = f"{reached / base:.2f}"
         cycle = rows[-1]["virtual_time_s"] * groups / len(rows)
         staleness = max(r.get("staleness_max", 0) for r in rows)
-        best = max(r["accuracy"] for r in rows)
-        acc = rows[-1]["accuracy"]
+        best = max(r["accuracy"] for r in evaluated(rows))
+        acc = rows[-1]["accuracy"]  # the last round is always evaluated
         cells += [f"{cycle:.2f}", str(len(rows)), f"{acc:.3f}", f"{best:.3f}", str(staleness)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _trailing(rows: list[dict[str, Any]], window: int) -> list[tuple[float, float]]:
-    """(virtual time, mean accuracy of the last `window` rounds) at each round from the
-    `window`-th on."""
+    """(virtual time, mean accuracy of the last `window` evaluated rounds) at each evaluated
+    round from the `window`-th on (every round, unless the run set `evaluate_every` > 1)."""
+    rows = evaluated(rows)
     acc = [r["accuracy"] for r in rows]
     return [
         (rows[i]["virtual_time_s"], sum(acc[i + 1 - window : i + 1]) / window)

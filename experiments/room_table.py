@@ -1,6 +1,7 @@
 """Each arm of a room sweep against a reference arm, seed by seed (issue 35).
 
-An arm's figure on a seed is its mean test accuracy over its last `--window` rounds. With
+An arm's figure on a seed is its mean test accuracy over its last `--window` rounds (its
+last evaluated rounds, where a run set `evaluate_every` > 1). With
 `--equal-time` (GIFT, PAS: claims at equal time, and their rounds shorten as the period
 falls) those rounds are the last that end by T, the earliest final virtual time of the
 seed's runs; without it, the last rounds of each run (equal rounds: 2D-LRD's claim).
@@ -52,7 +53,7 @@ from fl.common.config import is_finite
 from fl.common.files import write_atomic
 from fl.run.compare import Run, find_runs, seed_arms
 from fl.run.intervals import interval
-from fl.run.tracking import reached_target
+from fl.run.tracking import evaluated, reached_target
 
 POINTS = (-100.0, 100.0)  # a difference of two accuracies, in points
 RATIO = (0.0, math.inf)  # bytes ÷ bytes, time ÷ time
@@ -66,7 +67,7 @@ def _series(run: Run) -> tuple[list[float], list[float], list[float]]:
     times: list[float] = []
     accuracies: list[float] = []
     sent: list[float] = []
-    for row in run.rows:
+    for row in evaluated(run.rows):  # with evaluate_every > 1, the evaluated rounds
         t, a = row.get("virtual_time_s"), row.get("accuracy")
         if not (is_finite(t) and is_finite(a)):
             raise ValueError(

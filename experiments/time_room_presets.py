@@ -2,7 +2,8 @@
 
 Runs each arm given (a preset and the overrides that pick one arm and seed of its sweep,
 `hydra.mode=RUN`) for `--rounds` rounds in a fresh process, one after another, and reports
-the median of each arm's per-round wall times after round 1 (round 1 carries start-up),
+the median and mean of each arm's per-round wall times after round 1 (round 1 carries
+start-up; the mean also counts the test passes of runs that set `evaluate_every` > 1),
 the virtual seconds a round (for presets whose runs end at a virtual-time budget), and the
 machine's 1-minute load before and after each arm. Nothing here is timed inside a
 process: the rounds' `wall_time_s` in metrics.jsonl are what a user's run would show.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fl.common.files import write_atomic
+from fl.run.tracking import evaluated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,11 +86,13 @@ def time_arm(
     cohort = [line.split("] - ", 1)[-1] for line in log.splitlines() if "local engine:" in line]
     return {
         "round_s": statistics.median(per_round) if per_round else None,
+        # the mean, which counts the evaluated rounds' test pass at its share (evaluate_every)
+        "mean_round_s": statistics.fmean(per_round) if per_round else None,
         "round_s_all": per_round,
         "first_round_s": walls[0] if walls else None,
         "virtual_s_per_round": rows[-1]["virtual_time_s"] / len(rows) if rows else None,
         "rounds_done": len(rows),
-        "accuracy": [r["accuracy"] for r in rows],
+        "accuracy": [r["accuracy"] for r in evaluated(rows)],
         "engine": cohort[:1],
         "load1": load,
     }

@@ -261,6 +261,7 @@ class ASFLServer(ServerStrategy):
 
     params: ASFLParams
     loop_kinds = ("semi_async",)  # K_t is the arrivals that close a semi-async round
+    reads_round_accuracy = True  # the reward: each round's accuracy gain
     state_attributes = (
         "cache",
         "seen",

@@ -67,6 +67,7 @@ RESUMABLE_CHANGES = (
     "progress",
     "output_dir",
     "checkpoint_every",
+    "evaluate_every",  # what is measured, never what is trained (ASFL refuses > 1)
     "engine",
     "transport",  # how arrays travel, never what they hold
     "logger",

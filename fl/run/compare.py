@@ -34,7 +34,7 @@ from fl.run.intervals import (
     few_seeds_warning,
     interval,
 )
-from fl.run.tracking import run_defining
+from fl.run.tracking import evaluated, run_defining
 
 __all__ = [
     "NOT_REACHED",
@@ -345,12 +345,13 @@ def compare_runs(
     series = dict(zip(labels, (r.rows for r in runs), strict=True))
     if arms:  # one line per arm, the mean over its seeds, in a band of their interval
         plot_runs(
-            {a: [r.rows for r in m] for a, m in arms.items()},
+            {a: [evaluated(r.rows) for r in m] for a, m in arms.items()},
             out_dir / "comparison.png",
             title=title,
         )
     else:
-        plot_runs({k: [v] for k, v in series.items()}, out_dir / "comparison.png", title=title)
+        tested = {k: [evaluated(v)] for k, v in series.items()}
+        plot_runs(tested, out_dir / "comparison.png", title=title)
     for key in DIAGNOSTICS:
         reported = {label: rows for label, rows in series.items() if _mean(rows, key) is not None}
         if reported:

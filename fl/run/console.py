@@ -101,7 +101,8 @@ class RoundReporter:
         cells = [f"{fmt(row[key]) if key in row else '-':>{w}}" for _, key, fmt, w in self._columns]
         self._write(" ".join(cells))
         if self._bar is not None:
-            self._bar.set_postfix(acc=f"{row['accuracy']:.3f}")
+            if "accuracy" in row:  # not on the rounds between evaluations
+                self._bar.set_postfix(acc=f"{row['accuracy']:.3f}")
             self._bar.update()
 
     def close(self, summary: dict[str, Any], out_dir: Path) -> None:

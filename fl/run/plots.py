@@ -34,8 +34,8 @@ X_AXES = (lambda r: float(r["round"]), _traffic_mb, lambda r: float(r["virtual_t
 
 def plot_runs(runs: Mapping[str, Sequence[Rows]], path: Path, *, title: str = "") -> None:
     """One figure, three panels, one line per named arm: its run, or the mean over its
-    seeds' runs (round by round, up to the shortest) in a band of the mean's 95 %
-    t-interval, clipped to accuracy's range [0, 1]."""
+    seeds' runs (row by row, up to the shortest) in a band of the mean's 95 % t-interval,
+    clipped to accuracy's range [0, 1]. Rows: the evaluated ones (`fl.run.tracking`)."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
     for label, seeds in runs.items():
         rounds = min(len(rows) for rows in seeds)

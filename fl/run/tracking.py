@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,12 +33,14 @@ __all__ = [
     "RunLog",
     "check_logger",
     "clear_run",
+    "evaluated",
     "holds_run",
     "reached_target",
     "refuse_existing_run",
     "run_defining",
     "summarize",
 ]
+Row = TypeVar("Row", bound=Mapping[str, Any])
 
 # Overrides that say how one invocation treats its run folder, never what the run is: a
 # resumed sweep passes resume=true to the arms it starts fresh too, and their command
@@ -89,12 +92,18 @@ def clear_run(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
+def evaluated(rows: Iterable[Row]) -> list[Row]:
+    """The rows of rounds whose global model was evaluated (all, unless `evaluate_every` > 1;
+    the run's last round always is)."""
+    return [row for row in rows if "accuracy" in row]
+
+
 def reached_target(rows: list[dict[str, Any]], target: float, window: int) -> dict[str, Any] | None:
-    """The first row whose trailing mean accuracy over `window` rounds (fewer in the first
-    rounds) reaches `target`: one lucky round does not count, so an arm of many short rounds
-    gets no more chances to cross on noise than one of few long rounds."""
+    """The first row whose trailing mean accuracy over `window` evaluated rounds (fewer in
+    the first rounds) reaches `target`: one lucky round does not count, so an arm of many
+    short rounds gets no more chances to cross on noise than one of few long rounds."""
     recent: list[float] = []
-    for row in rows:
+    for row in evaluated(rows):
         recent = [*recent[-(window - 1) :], row["accuracy"]] if window > 1 else [row["accuracy"]]
         if sum(recent) / len(recent) >= target:
             return row
@@ -108,12 +117,12 @@ def summarize(
     trailing mean over `window` rounds, `target_window`)."""
     if not rows:
         return {"rounds": 0}
-    last = rows[-1]
+    last, scored = rows[-1], evaluated(rows)  # a run's last round is always evaluated
     summary: dict[str, Any] = {
         "rounds": last["round"],
-        "final_accuracy": last["accuracy"],
-        "final_loss": last["loss"],
-        "best_accuracy": max(r["accuracy"] for r in rows),
+        "final_accuracy": scored[-1]["accuracy"],
+        "final_loss": scored[-1]["loss"],
+        "best_accuracy": max(r["accuracy"] for r in scored),
         "total_bytes_up": last["cum_bytes_up"],
         "total_bytes_down": last["cum_bytes_down"],
         "total_payload_bytes_up": last["cum_payload_bytes_up"],
@@ -190,7 +199,9 @@ class RunLog:
         if self.rows and self.cfg.get("plots", True):
             from fl.run.plots import plot_run  # matplotlib (~1 CPU s): only when plotting
 
-            plot_run(self.rows, self.out_dir / "accuracy.png", title=self.cfg.strategy.name)
+            plot_run(
+                evaluated(self.rows), self.out_dir / "accuracy.png", title=self.cfg.strategy.name
+            )
         if self.wandb is not None:
             self.wandb.summary.update(summary)
             self.wandb.finish()

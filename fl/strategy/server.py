@@ -98,6 +98,9 @@ class ServerStrategy(FedAvg):
     # The loop kinds the algorithm's mechanism lives in (None: any). Its conf/strategy file
     # selects the first by default; an explicit other `loop=` is refused (fl.run.loops).
     loop_kinds: ClassVar[tuple[str, ...] | None] = None
+    # Whether its controller reads the global model's accuracy every round (ASFL's reward,
+    # through `on_round_end`): such a strategy refuses `evaluate_every` > 1 (fl.run.settings).
+    reads_round_accuracy: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that redefines kernel plumbing, naming the hook to use."""
@@ -215,8 +218,9 @@ class ServerStrategy(FedAvg):
     def on_round_end(
         self, server_round: int, accuracy: float, loss: float, virtual_time_s: float
     ) -> None:
-        """Called once per round after evaluation, with the new global model's accuracy and
-        loss and the virtual time the round ended at (for controllers such as ASFL's)."""
+        """Called after each central evaluation (every round unless `evaluate_every` > 1),
+        with the new global model's accuracy and loss and the virtual time the round ended
+        at (for controllers such as ASFL's, which set `reads_round_accuracy`)."""
 
     def sync_specs(self) -> tuple[Synced, ...]:
         """Tensors this strategy's clients keep copies of (`fl.wire.sync`); none by default."""
