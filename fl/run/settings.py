@@ -74,7 +74,7 @@ def check_run(cfg: DictConfig) -> None:
     check_int(cfg, "local_steps", 0)
     check_int(cfg, "local_epochs", 0 if cfg.local_steps > 0 else 1)
     check_int(cfg, "checkpoint_every", 1)
-    check_evaluation(cfg)
+    check_int(cfg, "evaluate_every", 1)  # > 1 refused by a strategy that reads every round
     check_int(cfg, "target_window", 1)
     check_int(cfg, "torch_threads", 0)
     check_int(cfg, "seed", 0, MAX_SEED)
@@ -121,23 +121,6 @@ def check_run(cfg: DictConfig) -> None:
         OUTPUT_DIR_RULE,
     )
     check_choice(cfg, "device", DEVICES)
-
-
-def check_evaluation(cfg: DictConfig) -> None:
-    """`evaluate_every` is a round count, and 1 for a strategy whose controller reads the
-    global model's accuracy every round (ASFL's reward)."""
-    from fl.strategy.registry import get_strategy
-
-    check_int(cfg, "evaluate_every", 1)
-    every = cfg.evaluate_every
-    server = get_strategy(str(cfg.strategy.name)).server
-    require(
-        every == 1 or not getattr(server, "reads_round_accuracy", False),
-        "evaluate_every",
-        every,
-        f"strategy={cfg.strategy.name} reads the global model's accuracy every round (its "
-        "controller's input): use 1",
-    )
 
 
 def check_optimizer(cfg: DictConfig) -> None:

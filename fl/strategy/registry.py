@@ -155,6 +155,14 @@ def check_strategy(cfg: DictConfig) -> None:
         params = spec.make_params(values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid config: strategy: {err}") from err
+    every = cfg.get("evaluate_every", 1)
+    require(
+        every == 1 or not getattr(spec.server, "reads_round_accuracy", False),
+        "evaluate_every",
+        every,
+        f"strategy={values.get('name')} reads the global model's accuracy every round (its "
+        "controller's input): use 1",
+    )
     check_run = getattr(params, "validate_run", None)  # the params against the run's keys
     if check_run is not None:
         try:

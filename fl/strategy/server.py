@@ -99,7 +99,7 @@ class ServerStrategy(FedAvg):
     # selects the first by default; an explicit other `loop=` is refused (fl.run.loops).
     loop_kinds: ClassVar[tuple[str, ...] | None] = None
     # Whether its controller reads the global model's accuracy every round (ASFL's reward,
-    # through `on_round_end`): such a strategy refuses `evaluate_every` > 1 (fl.run.settings).
+    # through `on_round_end`): such a strategy refuses `evaluate_every` > 1 (check_strategy).
     reads_round_accuracy: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
