@@ -43,6 +43,11 @@ def test_sizes_follow_the_spec_rule_and_refuse_an_impossible_batch():
     assert proportional_sizes([1, 2, 3], 100) == [17, 33, 50]  # 16.7, 33.3, 50: remainder 1
     assert proportional_sizes([1, 1, 10], 30, caps=[20, 20, 5]) == [13, 12, 5]
     assert proportional_sizes([0.01, 1, 1], 10, minimum=2) == [2, 4, 4]
+    # a share over its cap before the minimums are met is not fixed at the cap (hypothesis
+    # found both: the first overshot the batch, the second left worker 3 above its level)
+    assert proportional_sizes([1] * 10 + [3], 11, caps=[1] * 10 + [2]) == [1] * 11
+    weights = [2.0, 3.0, 21.38, 70.57, 30.76]  # level 20 / 122.7: 11.50 for worker 3, not 13
+    assert proportional_sizes(weights, 24, caps=[3, 34, 34, 13, 18], minimum=2) == [2, 2, 3, 12, 5]
     with pytest.raises(ValueError, match="does not fit"):
         proportional_sizes([1, 1], 50, caps=[20, 20])
     with pytest.raises(ValueError, match="finite and > 0"):

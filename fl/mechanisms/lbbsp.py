@@ -57,31 +57,37 @@ def _bounds(n: int, total: int, caps: Sequence[int] | None, minimum: int) -> np.
     return upper
 
 
+def _water_level(w: np.ndarray, total: int, lower: float, upper: np.ndarray) -> np.ndarray:
+    """clip(λ·w, lower, upper) summing to `total` (which `_bounds` checked fits). The sum
+    grows piecewise linearly in λ, with a kink where a share meets a bound: λ is found
+    between the two kinks whose sums straddle `total`, where the sum is linear."""
+    kinks = np.unique(np.concatenate([lower / w, upper / w]))
+    sums = np.array([np.clip(k * w, lower, upper).sum() for k in kinks])
+    # the first kink whose sum reaches `total` (the last one's sum, Σ caps, may fall short by
+    # rounding alone: its shares are the caps)
+    i = min(int(np.searchsorted(sums, total)), len(kinks) - 1)
+    if i == 0 or sums[i] <= total:
+        return np.clip(kinks[i] * w, lower, upper)
+    level = kinks[i - 1] + (total - sums[i - 1]) / (sums[i] - sums[i - 1]) * (
+        kinks[i] - kinks[i - 1]
+    )
+    return np.clip(level * w, lower, upper)
+
+
 def proportional_sizes(
     weights: Sequence[float], total: int, caps: Sequence[int] | None = None, minimum: int = 1
 ) -> list[int]:
     """Integer batches ∝ `weights` that sum to exactly `total`, each in [minimum, cap].
 
-    Water-filling: workers whose share would pass a bound are fixed at it and the rest
-    is shared again among the others; then floors, with the samples left over going to
-    the largest fractional parts (ties: lower index).
+    Water-filling: shares clip(λ·w, minimum, cap) with the level λ that makes them sum to
+    `total`; then floors, with the samples left over going to the largest fractional parts
+    (ties: lower index).
     """
     w = np.asarray(weights, dtype=float)
     if not (np.isfinite(w).all() and (w > 0).all()):
         raise ValueError(f"proportional_sizes: weights must be finite and > 0, got {list(w)}")
     upper = _bounds(len(w), total, caps, minimum)
-    share = np.zeros(len(w))
-    fixed = np.zeros(len(w), dtype=bool)
-    while True:
-        free = ~fixed
-        share[free] = (total - share[fixed].sum()) * w[free] / w[free].sum()
-        over, under = free & (share > upper), free & (share < minimum)
-        if over.any():  # raising the others' shares may push more over: fix these first
-            share[over], fixed[over] = upper[over], True
-        elif under.any():
-            share[under], fixed[under] = minimum, True
-        else:
-            break
+    share = _water_level(w, total, float(minimum), upper)
     sizes = np.clip(np.floor(share + 1e-9), minimum, upper).astype(int)
     left = total - int(sizes.sum())
     order = sorted(range(len(w)), key=lambda i: (-(share[i] - sizes[i]), i))
