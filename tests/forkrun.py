@@ -64,8 +64,6 @@ PRELOAD = (
     "flwr.serverapp.strategy",
     "flwr.common.serde",
     "flwr.superlink.grid",
-    "sklearn.datasets",
-    "sklearn.model_selection",
     "matplotlib",
     "matplotlib.pyplot",  # after matplotlib.use("Agg"), as fl/run/plots.py does
 )

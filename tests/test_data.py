@@ -16,7 +16,9 @@ from fl.world.data import (
     DATASET_NAMES,
     Dataset,
     DatasetNotFoundError,
+    hold_out_validation,
     load_dataset,
+    split_indices,
 )
 from fl.world.task import DATASETS
 
@@ -73,6 +75,58 @@ def test_digits_unflattened_for_cnns() -> None:
     image = load_dataset("digits", seed=0, flat=False)
     assert image.input_shape == (1, 8, 8) and image.x_test.shape == (360, 1, 8, 8)
     assert torch.equal(image.x_train.reshape(-1, 64), flat.x_train)
+
+
+def test_digits_are_scikit_learns_digits_split_as_train_test_split_splits_them() -> None:
+    # Read and split without importing scikit-learn (a second a process): the same arrays.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    for seed in (0, 1, 7):
+        ds = load_dataset("digits", seed=seed)
+        x = (bunch.data / 16.0).astype(np.float32)
+        x_tr, x_te, y_tr, y_te = train_test_split(
+            x, bunch.target, test_size=0.2, stratify=bunch.target, random_state=seed
+        )
+        assert np.array_equal(ds.x_train.numpy(), x_tr) and np.array_equal(ds.x_test.numpy(), x_te)
+        assert np.array_equal(ds.y_train.numpy(), y_tr) and np.array_equal(ds.y_test.numpy(), y_te)
+
+
+@pytest.mark.parametrize("stratified", [True, False])
+def test_split_indices_draw_what_train_test_split_draws(stratified: bool) -> None:
+    from sklearn.model_selection import train_test_split
+
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n = int(rng.integers(30, 400))
+        labels = rng.integers(0, int(rng.integers(2, 9)), size=n)  # uneven classes, tied shares
+        labels[: 2 * 9] = np.repeat(np.arange(9), 2) % (labels.max() + 1)  # 2+ of each class
+        size = float(rng.choice([0.1, 0.2, 0.25, 0.33, 0.5]))
+        stratify = labels if stratified else None
+        ours = split_indices(n, size, trial, stratify=stratify)
+        theirs = train_test_split(
+            np.arange(n), test_size=size, stratify=stratify, random_state=trial
+        )
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True)), trial
+
+
+def test_split_indices_refuse_what_cannot_be_stratified() -> None:
+    with pytest.raises(ValueError, match="needs 2 of each"):
+        split_indices(10, 0.2, 0, stratify=np.array([0] * 9 + [1]))
+    with pytest.raises(ValueError, match="test_size"):
+        split_indices(10, 1.0, 0)
+
+
+def test_the_held_out_split_is_stratified_and_disjoint() -> None:
+    ds = load_dataset("digits", seed=0)
+    held = hold_out_validation(ds, 0.25, seed=4)
+    assert len(held.y_train) + len(held.y_test) == len(ds.y_train)
+    assert len(held.y_test) == int(np.ceil(0.25 * len(ds.y_train)))
+    per_class = np.bincount(held.y_test.numpy(), minlength=10)
+    assert np.all(np.abs(per_class - 0.25 * np.bincount(ds.y_train.numpy(), minlength=10)) <= 1)
+    rows = {tuple(r) for r in held.x_train.numpy().round(4)}
+    assert not any(tuple(r) in rows for r in held.x_test.numpy().round(4)[:50] if r.any())
 
 
 # --- synthetic --------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import math
 import os
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl.common.files import open_regular
 from fl.world.procedural import SHAPES, generate_shapes
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "SyntheticDevices",
     "hold_out_validation",
     "load_dataset",
+    "split_indices",
 ]
 
 DATA_DIR_ENV = "FL_DATA_DIR"
@@ -67,14 +71,10 @@ def hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> Dataset
     """`dataset` with a stratified `fraction` of its train split as the split evaluated, in
     place of its test split: what tuning measures, so no tuned choice ever sees the test
     split. Clients train on the rest."""
-    from sklearn.model_selection import train_test_split  # lazy, as in _load_digits
-
     labels = dataset.y_train.numpy()
     counts = np.bincount(labels, minlength=dataset.num_classes)
     stratify = labels if counts[counts > 0].min() >= 2 else None  # a class of one: plain split
-    train, held = train_test_split(
-        np.arange(len(labels)), test_size=fraction, stratify=stratify, random_state=seed
-    )
+    train, held = split_indices(len(labels), fraction, seed, stratify=stratify)
     train, held = np.sort(train), np.sort(held)
     return Dataset(
         name=dataset.name,
@@ -115,24 +115,85 @@ def _data_root(root: str | Path | None) -> Path:
 def _load_digits(*, seed: int, root: Path, flat: bool = True) -> Dataset:
     """scikit-learn's bundled 8x8 digits, pixels scaled to [0, 1], stratified 80/20 split."""
     del root  # bundled with scikit-learn
-    from sklearn.datasets import load_digits  # lazy: scikit-learn costs ~1 s to import
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    x = (bunch.data / 16.0).astype(np.float32)
+    pixels, labels = _bundled_digits()
+    x = (pixels / 16.0).astype(np.float32)
     if not flat:
         x = x.reshape(-1, 1, 8, 8)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, bunch.target, test_size=0.2, stratify=bunch.target, random_state=seed
-    )
+    train, test = split_indices(len(labels), 0.2, seed, stratify=labels)
     return Dataset(
         name="digits",
-        x_train=torch.from_numpy(x_tr),
-        y_train=torch.from_numpy(y_tr.astype(np.int64)),
-        x_test=torch.from_numpy(x_te),
-        y_test=torch.from_numpy(y_te.astype(np.int64)),
+        x_train=torch.from_numpy(x[train]),
+        y_train=torch.from_numpy(labels[train].astype(np.int64)),
+        x_test=torch.from_numpy(x[test]),
+        y_test=torch.from_numpy(labels[test].astype(np.int64)),
         num_classes=10,
     )
+
+
+def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits file read as its `load_digits` reads it (pixels 0-16 as float64,
+    labels), located without importing scikit-learn, which costs a process ~1 s."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetNotFoundError("digits ship with scikit-learn, which is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    with (
+        open_regular(path, max_bytes=1 << 20) as raw,
+        gzip.open(raw, "rt", encoding="utf-8") as text,
+    ):
+        data = np.loadtxt(text, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
+def split_indices(
+    n: int, test_size: float, seed: int, *, stratify: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Train and test indices of `n` samples, draw for draw those of scikit-learn's
+    `train_test_split(..., test_size=, stratify=, random_state=seed)` (its
+    `StratifiedShuffleSplit`, or `ShuffleSplit` without labels), so that a run need not import
+    scikit-learn (~1 s); tests/test_data.py holds them equal to scikit-learn's."""
+    if not 0.0 < test_size < 1.0:
+        raise ValueError(f"test_size must lie in (0, 1), got {test_size}")
+    n_test = math.ceil(test_size * n)
+    n_train = n - n_test
+    rng = np.random.RandomState(seed)
+    if stratify is None:
+        order = rng.permutation(n)
+        return order[n_test:], order[:n_test]
+    classes, inverse, counts = np.unique(stratify, return_inverse=True, return_counts=True)
+    if counts.min() < 2 or min(n_train, n_test) < len(classes):
+        raise ValueError(
+            f"a stratified split of {n} samples needs 2 of each of its {len(classes)} classes "
+            f"and as many samples on each side (least class {counts.min()}, "
+            f"train {n_train}, test {n_test})"
+        )
+    members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    n_trains = _approximate_mode(counts, n_train, rng)
+    n_tests = _approximate_mode(counts - n_trains, n_test, rng)
+    train: list[np.int64] = []
+    test: list[np.int64] = []
+    for indices, n_tr, n_te in zip(members, n_trains, n_tests, strict=True):
+        drawn = indices[rng.permutation(len(indices))]
+        train.extend(drawn[:n_tr])
+        test.extend(drawn[n_tr : n_tr + n_te])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _approximate_mode(counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of `n_draws` each class gets: its floored share, then one more to the largest
+    remainders, ties broken at random (scikit-learn's `_approximate_mode`, draw for draw)."""
+    continuous = counts / counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need = int(n_draws - floored.sum())
+    remainder = continuous - floored
+    for value in np.sort(np.unique(remainder))[::-1]:
+        if need <= 0:
+            break
+        (tied,) = np.where(remainder == value)
+        add = min(len(tied), need)
+        floored[rng.choice(tied, size=add, replace=False)] += 1
+        need -= add
+    return floored.astype(int)
 
 
 @dataclass(frozen=True, eq=False)
