@@ -15,17 +15,19 @@ By hand, on sweep or run directories: `python -m fl.run.compare DIR [DIR ...] [-
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import math
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 
-from fl.common.files import read_regular_text, write_atomic
+from fl.common.files import TEXT_LIMIT, open_regular, read_regular_text, write_atomic
 from fl.run.intervals import (
     ACCURACY,
     DIFFERENCE,
@@ -37,6 +39,7 @@ from fl.run.intervals import (
 from fl.run.tracking import evaluated, run_defining
 
 __all__ = [
+    "ARCHIVED_METRICS",
     "NOT_REACHED",
     "Run",
     "compare_runs",
@@ -49,6 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 NOT_REACHED = "not reached"  # a target a run never reached: one spelling in every table
+ARCHIVED_METRICS = "metrics.jsonl.gz"  # a run's rows as experiments/archive_runs.py keeps them
 
 DIAGNOSTICS = (
     "frozen_fraction",
@@ -74,11 +78,26 @@ def load_run(run_dir: Path) -> Run:
     (`resume=`, `overwrite=`: `fl.run.tracking.CONTROL_KEYS`) are left out of its overrides."""
     path = run_dir / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(read_regular_text(path)) if path.exists() else []
-    metrics = read_regular_text(run_dir / "metrics.jsonl")
-    rows = [json.loads(line) for line in metrics.splitlines()]
+    rows = [json.loads(line) for line in _metrics_text(run_dir).splitlines()]
     summary = json.loads(read_regular_text(run_dir / "summary.json"))
     kept = [o for o in run_defining(overrides or []) if not o.startswith("experiment=")]
     return Run(run_dir.name, kept, rows, summary)
+
+
+def _metrics_text(run_dir: Path) -> str:
+    """A run's `metrics.jsonl`, or where only its archive is kept, that archive's text
+    (gzip, read up to the limit of a text file: a bomb is refused, not unpacked)."""
+    plain, archived = run_dir / "metrics.jsonl", run_dir / ARCHIVED_METRICS
+    if plain.exists() or not archived.exists():
+        return read_regular_text(plain)
+    with open_regular(archived, max_bytes=TEXT_LIMIT) as raw, gzip.open(raw) as unpacked:
+        try:
+            data = unpacked.read(TEXT_LIMIT + 1)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+            raise ValueError(f"{archived} is not a whole gzip file: {err}") from None
+    if len(data) > TEXT_LIMIT:
+        raise ValueError(f"{archived} unpacks to more than {TEXT_LIMIT} bytes")
+    return data.decode("utf-8")
 
 
 def find_runs(path: Path) -> list[Path]:

@@ -1,0 +1,83 @@
+"""experiments/archive_runs.py: a sweep kept in the repository reads as the sweep itself;
+an archived metrics file that is not whole gzip, or unpacks past the limit, is refused."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments import archive_runs, room_table
+from fl.common.files import TEXT_LIMIT
+from fl.run.compare import ARCHIVED_METRICS, find_runs, load_run
+
+
+def _sweep(tmp_path: Path) -> Path:
+    """Two arms over two seeds, finished, with a checkpoint and a log that stay behind."""
+    sweep = tmp_path / "out" / "2026-12-07_room"
+    for job, (arm, seed) in enumerate((a, s) for s in (0, 1) for a in ("fedavg", "fedca")):
+        folder = sweep / str(job)
+        (folder / ".hydra").mkdir(parents=True)
+        overrides = [f"strategy={arm}", f"seed={seed}", "experiment=fedca_room"]
+        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        (folder / "config.yaml").write_text(yaml.safe_dump({"seed": seed}))
+        speed = 1.0 if arm == "fedavg" else 0.8
+        rows = [
+            {"round": r, "virtual_time_s": speed * r, "accuracy": min(0.9, 0.1 + 0.05 * r)}
+            for r in range(1, 30)
+        ]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (folder / "summary.json").write_text(json.dumps({"final_accuracy": 0.9}))
+        (folder / "checkpoint.pt").write_bytes(b"\0" * 1000)
+        (folder / "run.log").write_text("log")
+    (sweep / "sweep.json").write_text(json.dumps({"launched": ["0", "1", "2", "3"]}))
+    return sweep
+
+
+def test_an_archived_sweep_reads_and_tabulates_as_the_sweep(tmp_path, capsys):
+    sweep = _sweep(tmp_path)
+    archive_runs.main([str(sweep), "--to", str(tmp_path / "records")])
+    kept = tmp_path / "records" / sweep.name
+    assert sorted(p.name for p in (kept / "0").iterdir()) == [
+        ".hydra",
+        "config.yaml",
+        ARCHIVED_METRICS,
+        "summary.json",
+    ]
+    assert [load_run(job) for job in find_runs(kept)] == [load_run(job) for job in find_runs(sweep)]
+
+    figures = []
+    for folder in (sweep, kept):
+        out = tmp_path / f"{folder.parent.name}.json"
+        args = ["--reference", "strategy=fedavg", "--to-target", "5", "--measure", "time"]
+        assert room_table.main([str(folder), *args, "--json", str(out)]) == 0
+        figures.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert figures[0] == figures[1]
+    assert figures[0]["arms"]["strategy=fedca"]["ratios"] == pytest.approx([0.8, 0.8])
+
+    before = {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    archive_runs.main([str(sweep), "--to", str(tmp_path / "records")])  # again: same bytes
+    assert {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()} == before
+
+
+def test_a_broken_or_oversized_archive_is_refused(tmp_path):
+    sweep = _sweep(tmp_path)
+    archive_runs.main([str(sweep), "--to", str(tmp_path / "records")])
+    job = tmp_path / "records" / sweep.name / "0"
+    packed = (job / ARCHIVED_METRICS).read_bytes()
+    (job / ARCHIVED_METRICS).write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(ValueError, match="not a whole gzip file"):
+        load_run(job)
+    (job / ARCHIVED_METRICS).write_bytes(gzip.compress(b"\n" * (TEXT_LIMIT + 1)))
+    with pytest.raises(ValueError, match="unpacks to more than"):
+        load_run(job)
+
+
+def test_a_folder_without_finished_jobs_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no finished job"):
+        archive_runs.main([str(tmp_path / "empty"), "--to", str(tmp_path / "records")])
