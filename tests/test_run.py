@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 from conftest import fl_run_cmd, python_run, read_metrics, run_fl, without_wall_time
 
 ROW_KEYS = {"round", "accuracy", "loss", "bytes_up", "bytes_down", "virtual_time_s", "wall_time_s"}
@@ -29,6 +30,10 @@ def test_run_writes_every_output(tmp_path, tiny_overrides):
     assert sum(trailing) / len(trailing) >= 0.3
     assert summary["bytes_to_target"] == hit["cum_bytes_up"] + hit["cum_bytes_down"]
     assert summary["time_to_target_s"] == hit["virtual_time_s"]
+    # the machine, which decides a long run's last bits (RESULTS, FedCA with room)
+    assert summary["machine"]["torch"] == torch.__version__
+    assert summary["machine"]["torch_cpu_capability"] in ("DEFAULT", "AVX2", "AVX512")
+    assert summary["machine"]["cpu"]
     for name in ("config.yaml", "checkpoint.pt", "accuracy.png", "model.pt"):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,15 +1,18 @@
 """Determinism: seeds derived from the run seed and a position (round, client), so nothing
 depends on call order, and torch's thread count fixed by the run, so float reductions
-sum in the same order on every machine and engine."""
+sum in the same order on every machine and engine. What a seed cannot fix, the CPU's
+kernels (a model and instruction set may round differently in the last bit, and a long run
+amplifies it), `machine` records beside each result."""
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "derive_seeds", "is_seed_word", "pin_torch_threads"]
+__all__ = ["derive_seed", "derive_seeds", "is_seed_word", "machine", "pin_torch_threads"]
 
 # numpy's SeedSequence (bit_generator.pyx), unrolled for `derive_seeds`: its hashmix's
 # (xor, multiplier) pairs in call order, its mix and its first output word's constants
@@ -86,3 +89,27 @@ def pin_torch_threads(threads: int) -> None:
     """
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def machine() -> dict[str, str]:
+    """The machine a result was computed on, as far as it decides the bits: the CPU model,
+    the instruction set torch's kernels dispatch to, and torch's and NumPy's versions."""
+    return {
+        "cpu": _cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

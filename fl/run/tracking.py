@@ -195,6 +195,9 @@ class RunLog:
         target, window = self.cfg.get("target_accuracy"), int(self.cfg.get("target_window", 1))
         summary = {**summarize(self.rows, target, window), **(extra or {})}
         summary["evaluated_on"] = self.cfg.get("evaluate_on", "test")  # accuracy's split
+        from fl.common.seeding import machine  # torch: this module's checks run before it
+
+        summary["machine"] = machine()  # the last bits of a long run depend on it
         write_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.rows and self.cfg.get("plots", True):
             from fl.run.plots import plot_run  # matplotlib (~1 CPU s): only when plotting
