@@ -43,13 +43,16 @@ def test_bad_arguments_and_odd_files_are_one_line(capsys, argv, message):
 
 
 def _ledger(path: Path) -> Path:
+    """A ledger whose one granted pipeline's lease has lapsed, unreclaimed (its holder gone
+    silent): the lease is a minute long while it is granted, so the grant never races the
+    clock, and then set to have ended a second ago, as the clock would leave it."""
     with Ledger(path) as ledger:
         ledger.add_blocks({"B1": 1.0})
-        ledger.claim(Pipeline("P", "alice", {"B1": 0.5}), "host:1", lease_s=0.01)
+        ledger.claim(Pipeline("P", "alice", {"B1": 0.5}), "host:1", lease_s=60.0)
         ledger.allocate([Grant("P", 1.0, {"B1": 0.5})])
         note = "ok \x1b[31mred\x1b[0m \x07"  # what `cancel --note` or a tamperer may leave
         ledger.db.execute("UPDATE pipelines SET note = ? WHERE id = 'P'", (note,))
-    time.sleep(0.05)  # its lease lapses
+        ledger.db.execute("UPDATE pipelines SET lease_until = ? WHERE id = 'P'", (time.time() - 1,))
     return path
 
 
