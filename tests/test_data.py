@@ -116,6 +116,8 @@ def test_split_indices_refuse_what_cannot_be_stratified() -> None:
         split_indices(10, 0.2, 0, stratify=np.array([0] * 9 + [1]))
     with pytest.raises(ValueError, match="test_size"):
         split_indices(10, 1.0, 0)
+    with pytest.raises(ValueError, match="9 labels to stratify 10"):
+        split_indices(10, 0.2, 0, stratify=np.array([0, 1] * 4 + [0]))
 
 
 def test_the_held_out_split_is_stratified_and_disjoint() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -34,6 +35,7 @@ def test_run_writes_every_output(tmp_path, tiny_overrides):
     assert summary["machine"]["torch"] == torch.__version__
     assert summary["machine"]["torch_cpu_capability"] in ("DEFAULT", "AVX2", "AVX512")
     assert summary["machine"]["cpu"]
+    assert summary["machine"]["onednn_max_cpu_isa"] == os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
     for name in ("config.yaml", "checkpoint.pt", "accuracy.png", "model.pt"):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG"

@@ -6,6 +6,7 @@ amplifies it), `machine` records beside each result."""
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Sequence
 
@@ -93,10 +94,12 @@ def pin_torch_threads(threads: int) -> None:
 
 def machine() -> dict[str, str]:
     """The machine a result was computed on, as far as it decides the bits: the CPU model,
-    the instruction set torch's kernels dispatch to, and torch's and NumPy's versions."""
+    the instruction set torch's own kernels dispatch to, any cap on oneDNN's (its convolutions
+    and matmuls: `ONEDNN_MAX_CPU_ISA`), and torch's and NumPy's versions."""
     return {
         "cpu": _cpu_model(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"),
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),

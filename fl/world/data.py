@@ -154,6 +154,8 @@ def split_indices(
     scikit-learn (~1 s); tests/test_data.py holds them equal to scikit-learn's."""
     if not 0.0 < test_size < 1.0:
         raise ValueError(f"test_size must lie in (0, 1), got {test_size}")
+    if stratify is not None and len(stratify) != n:
+        raise ValueError(f"{len(stratify)} labels to stratify {n} samples")
     n_test = math.ceil(test_size * n)
     n_train = n - n_test
     rng = np.random.RandomState(seed)
