@@ -1,5 +1,6 @@
 """experiments/archive_runs.py: a sweep kept in the repository reads as the sweep itself;
-an archived metrics file that is not whole gzip, or unpacks past the limit, is refused."""
+an archived metrics file that is not whole gzip, unpacks past the limit or to something
+other than UTF-8 text, is refused."""
 
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def test_a_broken_or_oversized_archive_is_refused(tmp_path):
         load_run(job)
     (job / ARCHIVED_METRICS).write_bytes(gzip.compress(b"\n" * (TEXT_LIMIT + 1)))
     with pytest.raises(ValueError, match="unpacks to more than"):
+        load_run(job)
+    (job / ARCHIVED_METRICS).write_bytes(gzip.compress(b"\xff\xfe{}"))
+    with pytest.raises(ValueError, match="does not unpack to UTF-8 text"):
         load_run(job)
 
 

@@ -97,7 +97,10 @@ def _metrics_text(run_dir: Path) -> str:
             raise ValueError(f"{archived} is not a whole gzip file: {err}") from None
     if len(data) > TEXT_LIMIT:
         raise ValueError(f"{archived} unpacks to more than {TEXT_LIMIT} bytes")
-    return data.decode("utf-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{archived} does not unpack to UTF-8 text") from None
 
 
 def find_runs(path: Path) -> list[Path]:
