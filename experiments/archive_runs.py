@@ -6,7 +6,8 @@ finished job (`fl.run.compare.find_runs`), the files `fl.run.compare.load_run` r
 `.hydra/overrides.yaml`, `summary.json`, and `metrics.jsonl` gzip-compressed
 (`metrics.jsonl.gz`, which `load_run` reads where no `metrics.jsonl` is), plus `config.yaml`
 for the reader. Checkpoints and logs stay behind. Archiving the same run again writes the
-same bytes; files are read only if regular and written never through a link.
+same bytes; files are read only if regular UTF-8 text within the text limit
+(`fl.common.files.read_regular_text`) and written never through a link.
 
     python experiments/archive_runs.py experiments/out/fedca_room/2026-12-07_fedavg_s0 \
         --to experiments/records/sweeps/fedca_room
@@ -22,15 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl.common.files import make_dir, open_regular, write_atomic
+from fl.common.files import make_dir, read_regular_text, write_atomic
 from fl.run.compare import ARCHIVED_METRICS, find_runs
 
 KEPT = (".hydra/overrides.yaml", "summary.json", "config.yaml")  # copied as they are
-
-
-def _read(path: Path) -> bytes:
-    with open_regular(path) as f:
-        return f.read()
 
 
 def archive(sweep: Path, into: Path) -> list[Path]:
@@ -40,14 +36,15 @@ def archive(sweep: Path, into: Path) -> list[Path]:
         raise SystemExit(f"{sweep} holds no finished job of a sweep")
     make_dir(into)
     if (sweep / "sweep.json").exists():
-        write_atomic(into / "sweep.json", _read(sweep / "sweep.json"))
+        write_atomic(into / "sweep.json", read_regular_text(sweep / "sweep.json"))
     written = []
     for job in jobs:
         target = make_dir(into / job.name)
         make_dir(target / ".hydra")
         for name in KEPT:
-            write_atomic(target / name, _read(job / name))
-        metrics = gzip.compress(_read(job / "metrics.jsonl"), compresslevel=9, mtime=0)
+            write_atomic(target / name, read_regular_text(job / name))
+        metrics = read_regular_text(job / "metrics.jsonl").encode()
+        metrics = gzip.compress(metrics, compresslevel=9, mtime=0)
         write_atomic(target / ARCHIVED_METRICS, metrics)
         written.append(target)
     return written
