@@ -1,19 +1,40 @@
 """experiments/archive_runs.py: a sweep kept in the repository reads as the sweep itself;
 an archived metrics file that is not whole gzip, unpacks past the limit or to something
-other than UTF-8 text, is refused."""
+other than UTF-8 text, is refused; a scoreboard row read from kept sweeps regenerates from
+them."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
-from experiments import archive_runs, room_table
+from experiments import archive_runs, room_table, scoreboard
 from fl.common.files import TEXT_LIMIT
 from fl.run.compare import ARCHIVED_METRICS, find_runs, load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+KEPT = ROOT / "experiments" / "records" / "sweeps"
+# scoreboard rows read from kept sweeps: record -> (the kept folders, and for each figures
+# file beside them, room_table's arguments; the record's command says the same)
+FROM_KEPT = {
+    "fedca_plus": (
+        [f"fedca_room/2026-12-07_{arm}_s{seed}" for arm in ("fedavg", "plus") for seed in range(5)],
+        {
+            "fedca_room/room_table_plus_time.json": shlex.split(
+                "--reference strategy=fedavg --to-target 50 --margin 1 --reach-window 5"
+                " --measure time --ratio-bar 0.85"
+            ),
+            "fedca_room/room_table_plus_acc.json": shlex.split(
+                "--reference strategy=fedavg --window 10 --bar -1"
+            ),
+        },
+    ),
+}
 
 
 def _sweep(tmp_path: Path) -> Path:
@@ -85,3 +106,24 @@ def test_a_folder_without_finished_jobs_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no finished job"):
         archive_runs.main([str(tmp_path / "empty"), "--to", str(tmp_path / "records")])
+
+
+@pytest.mark.parametrize("stem", sorted(FROM_KEPT))
+def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsys):
+    """Issue 35's "regenerated from recorded sweeps": room_table over the kept folders
+    writes the kept figures, and they fill the committed record as it stands."""
+    folders, figures = FROM_KEPT[stem]
+    for name, args in figures.items():
+        out = tmp_path / "figures.json"
+        assert room_table.main([*(str(KEPT / f) for f in folders), *args, "--json", str(out)]) == 0
+        assert json.loads(out.read_text()) == json.loads((KEPT / name).read_text())
+    capsys.readouterr()
+
+    committed = json.loads((scoreboard.RECORDS / f"{stem}.json").read_text())
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / f"{stem}.json").write_text(json.dumps(committed))
+    source = committed["source"]
+    kept = [KEPT / name for name in figures]
+    again = scoreboard.record_figures(kept, stem, source["command"], source["date"], records)
+    assert again["conditions"] == committed["conditions"]
