@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from fl.common.files import write_atomic
 from fl.run import cli
 from fl.wire import sync
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         [version, *_totals([m for m in ms if m[0]]), *_totals([m for m in ms if not m[0]])]
         for version, ms in sorted(sent.items())
     ]
-    args.out.write_text(json.dumps(rows))
+    write_atomic(args.out, json.dumps(rows))
 
 
 def _totals(messages: list[tuple[bool, int, int]]) -> list[int]:
