@@ -6,7 +6,8 @@ it resyncs dense (forgotten: first contact, or a reply that missed the close) an
         hydra.sweep.dir=experiments/out/sync_bytes
 
 Wraps `SyncServer.records` around one in-process `fl-run` (the overrides after the options);
-each row: round, dense messages, their payload and control bytes, then the same for the diffs.
+each row: round, dense messages, their payload and control bytes (`fl.wire.codec.payload_traffic`,
+as the run's traffic is measured), then the same for the diffs.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from flwr.app import RecordDict
+
 from fl.common.files import write_atomic
 from fl.run import cli
 from fl.wire import sync
+from fl.wire.codec import payload_traffic
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,11 +37,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def counted(self: sync.SyncServer, node: int, layout: Any) -> tuple[dict[str, Any], int]:
         out, base = records(self, node, layout)
-        control = out.get(f"{sync.SYNC}-control")
-        extra = sum(len(a.data) for a in control.values()) if control is not None else 0
-        codec = out["codec"]
-        payload = int(codec["payload-bytes"]) + int(codec["control-bytes"])
-        sent[self.current].append((base == sync.NONE, payload, extra))
+        traffic = payload_traffic(RecordDict(out))  # as the loop measures a message
+        sent[self.current].append((base == sync.NONE, traffic.payload, traffic.control))
         return out, base
 
     sync.SyncServer.records = counted  # type: ignore[method-assign]
