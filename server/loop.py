@@ -229,7 +229,7 @@ def run_training(grid: Grid, cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 check_reply_error(reply)
             accepted_before = strategy.stats.accepted
             new_arrays, _ = strategy.aggregate_train(server_round, landed.replies)
-            strategy.give_up(landed.given_up)
+            strategy.give_up(landed.given_up, landed.delivered)
             arrays = new_arrays if new_arrays is not None else arrays
             up, down, sent = up + landed.up, down + asked_down, sent + len(messages)
             if real is None:  # the server's own work

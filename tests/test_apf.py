@@ -164,6 +164,37 @@ def test_sync_sends_changes_since_the_version_each_client_holds():
             assert traffic.payload > 4 * int((~frozen).sum())
 
 
+def test_a_node_given_up_on_gets_changes_from_its_confirmed_version():
+    """A reply that missed the close does not cost its node a dense resync: the next
+    message is relative to the version it last confirmed, which its client still holds."""
+    from clients.app import app as client_app
+    from fl.common.config import compose, to_run_config
+    from fl.world.task import get_task
+
+    cfg = compose(["strategy=apf", "num_clients=6", "clients_per_round=6"])
+    grid = LocalGrid(client_app, 6, to_run_config(cfg))
+    server = APFServer(APFParams(), seed=0, clients_per_round=6)
+    arrays = ArrayRecord(get_task(cfg).new_model().state_dict())
+    sent = list(server.configure_train(1, arrays, ConfigRecord(), grid))
+    arrays, _ = server.aggregate_train(1, grid.send_and_receive(sent))
+    sent = list(server.configure_train(2, arrays, ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(sent))  # every client trained on version 2, but
+    late = {r.metadata.src_node_id for r in replies[3:]}  # three replies miss the close
+    arrays, _ = server.aggregate_train(2, replies[:3])
+    server.give_up(late)
+    messages = list(server.configure_train(3, arrays, ConfigRecord(), grid))
+    d = server.layout.numel
+    for message in messages:
+        sync = message.content.config_records["sync"]
+        late_node = message.metadata.dst_node_id in late
+        assert sync["base"] == (1 if late_node else 2)
+        assert sync["model"] != "dense" and payload_traffic(message.content).payload < 4 * d
+    accepted = server.stats.accepted
+    server.aggregate_train(3, grid.send_and_receive(messages))
+    assert server.stats.accepted - accepted == 6 and server.stats.failed == 0
+    assert server.stats.rejected == 0
+
+
 def test_apf_run_freezes_and_keeps_frozen_values(tmp_path):
     run_fl(
         tmp_path,

@@ -41,6 +41,27 @@ def test_first_k_aggregates_exactly_the_earliest_half_and_shortens_rounds(tmp_pa
     assert half[0]["bytes_up"] == plain[0]["bytes_up"] // 2  # only landed replies count
 
 
+def test_a_dropped_reply_whose_message_arrived_costs_no_resync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late half of a first-k round downloaded its message before the close: the next
+    round sends it changes from that version, as it does the half that landed."""
+    from fl.wire.sync import SyncServer
+
+    bases: dict[int, list[int]] = {}
+    records = SyncServer.records
+
+    def recorded(self: SyncServer, node: int, layout: Any) -> Any:
+        out = records(self, node, layout)
+        bases.setdefault(self.current, []).append(out[1])
+        return out
+
+    monkeypatch.setattr(SyncServer, "records", recorded)
+    rows = _run(tmp_path, "rounds=3", "loop.first_k_fraction=0.5", "strategy=apf")
+    assert [r["missing"] for r in rows] == [4, 4, 4]
+    assert bases == {1: [-1] * 8, 2: [1] * 8, 3: [2] * 8}  # none resynced dense
+
+
 def test_deadline_drops_what_has_not_arrived(tmp_path: Path) -> None:
     plain = _run(tmp_path / "sync", "rounds=1")
     cut = 0.6 * plain[0]["round_time_s"]

@@ -182,8 +182,10 @@ def test_periods_travel_as_changes_since_the_version_a_client_holds():
     assert server.train_config(2, 1) == {"local-steps": 16}
     hooks.load(model, in_sync, state, layout)
     assert torch.equal(hooks.periods, server.control.periods)
+    hooks.load(model, in_sync, state, layout)  # again (reply lost): it keeps version 1 too
+    assert torch.equal(hooks.periods, server.control.periods)
     with pytest.raises(RuntimeError, match="does not hold version 1"):
-        hooks.load(model, in_sync, state, layout)  # it now holds version 2
+        hooks.load(model, in_sync, RecordDict(), layout)  # a client that lost its state
 
 
 def test_upload_parts_credit_groups_that_leave_while_training_goes_on():

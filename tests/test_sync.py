@@ -120,13 +120,32 @@ def test_new_client_gets_periods_that_differ_from_the_initial_value() -> None:
     world.check(got)
 
 
-def test_client_holding_another_version_refuses_and_is_resynced() -> None:
+def test_client_given_up_on_gets_changes_from_its_confirmed_version() -> None:
+    world = World()
+    world.step()
+    world.deliver(0)
+    for _ in range(2):  # two rounds its reply misses the close: v1 stays confirmed
+        world.step()
+        _, form = world.deliver(0, confirm=False)
+        assert form != "dense"
+    world.step()  # this round's message never reaches it (it holds v3 and its base v1)
+    world.step()
+    got, form = world.deliver(0)
+    assert world.server.records(0, LAYOUT)[1] == 5
+    assert form != "dense" and world.states[0]["sync-held"]["base"] == 1
+    world.check(got)
+    world.step()
+    got, form = world.deliver(0)  # confirmed again: one version behind
+    assert form == "within-old"
+    world.check(got)
+
+
+def test_client_holding_neither_copy_refuses_and_is_resynced() -> None:
     world = World()
     world.step()
     world.deliver(0)
     world.step()
-    world.deliver(0, confirm=False)  # reply lost: the server believes it still holds v1
-    world.step()
+    world.states[0] = RecordDict()  # the client lost its state (a restarted device)
     records, _ = world.server.records(0, LAYOUT)
     with pytest.raises(RuntimeError, match="does not hold version 1"):
         world.client.receive(RecordDict(records), world.states[0], LAYOUT)

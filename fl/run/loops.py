@@ -124,6 +124,9 @@ class Landed:
     info: dict[int, ReplyInfo] = field(default_factory=dict)
     up: list[Traffic] = field(default_factory=list)  # bytes of the landed replies
     given_up: list[int] = field(default_factory=list)  # nodes the server stopped waiting on
+    # of those, the ones whose message had reached them (node -> round sent): their client
+    # holds what it was sent (known on the virtual clock; never assumed for real arrivals)
+    delivered: dict[int, int] = field(default_factory=dict)
 
 
 class RoundDriver:
@@ -397,13 +400,17 @@ class RoundDriver:
         for flight in landed:
             del self.flights[flight.node]
         drop_all = kind == "sync" and self.settings.late == "drop"
+        delivered: dict[int, int] = {}
         for node in sorted(self.flights):  # the rest of this round, or waited on too long
             if drop_all or self._expired(self.flights[node]):
-                self._cancel(node)
+                if self._cancel(node):
+                    delivered[node] = self.flights[node].sent_round
                 given_up.append(node)
                 del self.flights[node]
         self.sync_clock()
-        return self._landed(server_round, landed, given_up)
+        out = self._landed(server_round, landed, given_up)
+        out.delivered = delivered
+        return out
 
     def _next_arrival(self, until: float) -> tuple[int, float, bool, float | None] | None:
         """(node, arrival time, dropped, compute span) of the next reply to land by `until`,
@@ -430,13 +437,17 @@ class RoundDriver:
             and self.real.now >= flight.sent_s + self.deadline_s
         )
 
-    def _cancel(self, node: int) -> None:
+    def _cancel(self, node: int) -> bool:
+        """Stop `node`'s work; whether its message had reached it (the virtual clock knows
+        when a download ended; a real node's receipt is not observed, so False)."""
         if self.held.pop(node, None) is not None:
-            return  # never started
+            return False  # never started
         if self.real is not None:
             self.real.cancel(node)
-        else:
-            self.clock.cancel(node)
+            return False
+        delivered = self.clock.delivered(node)
+        self.clock.cancel(node)
+        return delivered
 
     def _target(self, dispatched: int, missing: int, buffer_k: int | None) -> int:
         """Arrivals that close a round (sync, semi_async)."""

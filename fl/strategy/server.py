@@ -531,11 +531,16 @@ class ServerStrategy(FedAvg):
         return len(landed)
 
     @final
-    def give_up(self, nodes: Iterable[int]) -> None:
-        """The loop stopped waiting for these nodes (no reply, dropped, too late)."""
+    def give_up(self, nodes: Iterable[int], delivered: Mapping[int, int] | None = None) -> None:
+        """The loop stopped waiting for these nodes (no reply, dropped, too late). Their
+        nonces are spent. The sync protocol keeps the version each last confirmed, which
+        the node holds whether or not the message reached it (`fl.wire.sync`), or takes the
+        version sent where the loop knows the message arrived (`delivered`: node -> round)."""
         for node in nodes:
             self.stats.missing.append(node)
-            self._forget(node)
+            self._nonces.pop(node, None)
+            if self.sync is not None and delivered and node in delivered:
+                self.sync.confirm(node, delivered[node])
 
     def _forget(self, node: int) -> None:
         self._nonces.pop(node, None)

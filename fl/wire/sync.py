@@ -12,10 +12,15 @@ version in whichever form is cheapest, or the whole tensor when that is cheaper:
   strategy's `advance` rule rebuilds the values (one version behind), indices + values,
   bitmap + values, or dense.
 
-A client that holds nothing (first contact, a failed or rejected reply, a version the
+A reply that is accepted confirms the version it answered. A client the server stopped
+waiting for (a reply past the close, or none) keeps its confirmed version on the server,
+unless the loop knows the message arrived (then the version sent is confirmed): the
+client keeps two copies, the version it was last sent and that message's base, so it
+holds what the server assumes either way (twice the synced state in its memory). A
+client that holds nothing (first contact, a failed or rejected reply, a version the
 server no longer keeps) starts from each tensor's `initial` value (known to everyone,
-e.g. PAS's τ_0) or gets it dense. A client whose copy is not the base the server
-assumed refuses the round (RuntimeError): the server then forgets it and resyncs it.
+e.g. PAS's τ_0) or gets it dense. A client holding neither copy the server assumed
+refuses the round (RuntimeError): the server then forgets it and resyncs it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from fl.wire.records import Layout, array_to_numpy, numpy_to_array
 __all__ = ["SyncClient", "SyncServer", "Synced"]
 
 SYNC, COPY, HELD = "sync", "sync-copy", "sync-held"
+BASE_COPY = "sync-copy-base"  # the base of the message last received, kept beside it
 NONE = -1  # the base of a client that holds only the initial values
 
 
@@ -160,7 +166,8 @@ class SyncServer:
         self.seen[node] = version
 
     def forget(self, node: int) -> None:
-        """Nothing is known of `node`'s copy (failed, rejected or missing reply)."""
+        """Nothing is known of `node`'s copy (a failed or rejected reply). A node given up
+        on (no reply by the close) is not forgotten: it still holds its confirmed version."""
         self.seen.pop(node, None)
 
     def base(self, node: int) -> int:
@@ -319,15 +326,33 @@ class SyncClient:
         for name, spec in self.specs.items():
             if spec.payload:
                 out[name] = self._payload(spec, str(how[name]), content, held, out, layout)
-        state[COPY] = ArrayRecord({n: self._store(self.specs[n], t) for n, t in out.items()})
-        state[HELD] = ConfigRecord({"version": version})
+        self._keep(state, base, version, out)
         return out
+
+    def _keep(
+        self, state: RecordDict, base: int, version: int, now: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Hold `version` and the message's `base` (which the server still assumes until a
+        reply to `version` is accepted); older copies go."""
+        held = state.config_records.get(HELD)
+        if base in (NONE, version):
+            state.array_records.pop(BASE_COPY, None)
+        elif held is not None and held["version"] == base:  # the copy held becomes the base
+            state[BASE_COPY] = state.array_records[COPY]
+        state[COPY] = ArrayRecord({n: self._store(self.specs[n], t) for n, t in now.items()})
+        state[HELD] = ConfigRecord({"version": version, "base": base})
 
     def _held(self, state: RecordDict, base: int, numel: int) -> dict[str, torch.Tensor]:
         if base == NONE:
             return {n: s.initial(numel) for n, s in self.specs.items() if s.initial is not None}
-        copy, held = state.array_records.get(COPY), state.config_records.get(HELD)
-        if copy is None or held is None or held["version"] != base:
+        held = state.config_records.get(HELD)
+        key = None
+        if held is not None and held["version"] == base:
+            key = COPY
+        elif held is not None and held.get("base") == base:
+            key = BASE_COPY
+        copy = state.array_records.get(key) if key is not None else None
+        if copy is None:
             raise RuntimeError(f"client does not hold version {base} of the synced state")
         return {n: self._load(self.specs[n], copy[n], numel) for n in self.specs}
 

@@ -313,6 +313,15 @@ class VirtualClock:
             raise ValueError(f"cannot wait {seconds} s")
         self._run(self.now + seconds, to_first_arrival=False)
 
+    def delivered(self, key: int) -> bool:
+        """Whether job `key`'s download had ended by `now`: its client holds the message."""
+        if key not in self._keys:
+            raise KeyError(f"job {key} is not in flight")
+        ends = [f.downloaded_s for f in self._flights if f.job.key == key]
+        ends += [a.downloaded_s for a in self._arrived if a.key == key]
+        ends += [a.downloaded_s for _, k, a in self._scheduled if k == key]
+        return bool(ends) and ends[0] <= self.now
+
     def cancel(self, key: int) -> None:
         """Stop waiting for job `key`: its transfers leave the link from `now` on."""
         if key not in self._keys:
