@@ -1,5 +1,6 @@
 """Where a sync strategy's download goes: per round, the bytes `fl.wire.sync` sends to clients
-it resyncs dense (forgotten: first contact, or a reply that missed the close) and to the others.
+it resyncs dense (holding nothing confirmed: first contact, a failed or rejected reply; before
+9ecafde also a reply that missed the close) and to the others.
 
     python experiments/sync_bytes_probe.py --out experiments/out/sync_bytes.json \
         experiment=fedca_room strategy=fedca_plus seed=0 time_budget_s=60 \

@@ -115,16 +115,20 @@ def test_random_freezing_is_reproducible_and_only_hits_active_scalars(variant):
     assert frozen_share == pytest.approx(expected, abs=0.05)
 
 
-def test_sync_sends_changes_since_the_version_each_client_holds():
+def _apf_on_six_clients(per_round: int) -> tuple[APFServer, LocalGrid, ArrayRecord]:
+    """An APF server, six real ClientApps on the in-process grid, and the first model."""
     from clients.app import app as client_app
     from fl.common.config import compose, to_run_config
-
-    cfg = compose(["strategy=apf", "num_clients=6", "clients_per_round=3"])
-    grid = LocalGrid(client_app, 6, to_run_config(cfg))
-    server = APFServer(APFParams(), seed=0, clients_per_round=3)
     from fl.world.task import get_task
 
-    arrays = ArrayRecord(get_task(cfg).new_model().state_dict())
+    cfg = compose(["strategy=apf", "num_clients=6", f"clients_per_round={per_round}"])
+    grid = LocalGrid(client_app, 6, to_run_config(cfg))
+    server = APFServer(APFParams(), seed=0, clients_per_round=per_round)
+    return server, grid, ArrayRecord(get_task(cfg).new_model().state_dict())
+
+
+def test_sync_sends_changes_since_the_version_each_client_holds():
+    server, grid, arrays = _apf_on_six_clients(3)
     sent1 = list(server.configure_train(1, arrays, ConfigRecord(), grid))
     arrays, _ = server.aggregate_train(1, grid.send_and_receive(sent1))
     freezing = server.freezing
@@ -167,14 +171,7 @@ def test_sync_sends_changes_since_the_version_each_client_holds():
 def test_a_node_given_up_on_gets_changes_from_its_confirmed_version():
     """A reply that missed the close does not cost its node a dense resync: the next
     message is relative to the version it last confirmed, which its client still holds."""
-    from clients.app import app as client_app
-    from fl.common.config import compose, to_run_config
-    from fl.world.task import get_task
-
-    cfg = compose(["strategy=apf", "num_clients=6", "clients_per_round=6"])
-    grid = LocalGrid(client_app, 6, to_run_config(cfg))
-    server = APFServer(APFParams(), seed=0, clients_per_round=6)
-    arrays = ArrayRecord(get_task(cfg).new_model().state_dict())
+    server, grid, arrays = _apf_on_six_clients(6)
     sent = list(server.configure_train(1, arrays, ConfigRecord(), grid))
     arrays, _ = server.aggregate_train(1, grid.send_and_receive(sent))
     sent = list(server.configure_train(2, arrays, ConfigRecord(), grid))
