@@ -12,17 +12,18 @@ do and does not when any does not.
 
     python experiments/scoreboard.py                      # write docs/REPRODUCTIONS.md
     python experiments/scoreboard.py --check              # exit 1 if it is not up to date
-    python experiments/scoreboard.py --record SWEEP_DIR --system apf --command "fl-run ..."
+    python experiments/scoreboard.py --record SWEEP_DIR [...] --system apf --command "fl-run ..."
 
 `--record` fills the system's conditions whose `metric` names a paired figure of
-`fl.run.compare` (`final_accuracy` in points, `traffic`, `time_to_target`) from a
-finished sweep: each condition's `arm` paired seed by seed with the record's `reference`
-arm, the interval by `fl.run.intervals`. `--figures` fills those whose `metric` names a
-figure of `experiments/room_table.py --json` (`room_delta` in points, `room_bytes`,
-`room_to_target`: ratios) from one or more of its files, each condition's `arm` against
-its own `reference` (the record's unless it names one); a seed on which the arm missed
-the target (`missed`) keeps a condition from reproducing. Conditions measured by another
-script (`metric: null`, e.g. DPBalance's simulator) are updated from that script's output.
+`fl.run.compare` (`final_accuracy` in points, `traffic`, `time_to_target`) from one or
+more finished sweeps (read as one): each condition's `arm` paired seed by seed with the
+record's `reference` arm, the interval by `fl.run.intervals`. `--figures` fills those
+whose `metric` names a figure of `experiments/room_table.py --json` (`room_delta` in
+points, `room_bytes`, `room_to_target`: ratios) from one or more of its files, each
+condition's `arm` against its own `reference` (the record's unless it names one); a seed
+on which the arm missed the target (`missed`) keeps a condition from reproducing.
+Conditions measured by another script (`metric: null`, e.g. DPBalance's simulator) are
+updated from that script's output.
 
     python experiments/scoreboard.py --figures FIGURES.json [...] --system pas --command "..."
 """
@@ -269,14 +270,19 @@ def render(records: Sequence[dict[str, Any]]) -> str:
 
 
 def record_sweep(
-    sweep: Path, stem: str, command: str, date: str, folder: Path = RECORDS
+    sweeps: Sequence[Path], stem: str, command: str, date: str, folder: Path = RECORDS
 ) -> dict[str, Any]:
-    """Fill record `stem`'s sweep-measured conditions from a finished sweep and write it."""
+    """Fill record `stem`'s sweep-measured conditions from finished sweeps (their runs read
+    as one sweep: more seeds run later) and write it."""
     path = folder / f"{stem}.json"
     record = check_record(json.loads(read_regular_text(path)), str(path))
-    runs = find_runs(sweep)
-    if not runs:
-        raise RecordError(f"{sweep}: holds no finished run (summary.json)")
+    sweep = ", ".join(str(s) for s in sweeps)
+    runs = []
+    for one in sweeps:
+        found = find_runs(one)
+        if not found:
+            raise RecordError(f"{one}: holds no finished run (summary.json)")
+        runs += found
     arms = seed_arms(runs)
     if record["reference"] not in arms:
         raise RecordError(f"{sweep}: no arm {record['reference']!r} (arms: {sorted(arms)})")
@@ -294,7 +300,7 @@ def record_sweep(
     record["source"].update(
         command=command,
         date=date,
-        where=f"sweep {sweep} (recorded by experiments/scoreboard.py --record)",
+        where=f"sweeps {sweep} (recorded by experiments/scoreboard.py --record)",
     )
     check_record(record, str(path))
     write_atomic(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
@@ -364,7 +370,9 @@ def record_figures(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--record", type=Path, metavar="SWEEP_DIR", help="a finished sweep")
+    parser.add_argument(
+        "--record", type=Path, nargs="+", metavar="SWEEP_DIR", help="finished sweeps, read as one"
+    )
     parser.add_argument(
         "--figures", type=Path, nargs="+", metavar="JSON", help="room_table.py --json files"
     )

@@ -159,17 +159,18 @@ def _run(folder: Path, overrides: list[str], final: float, traffic: float, time:
 
 
 def test_record_mode_fills_a_record_from_a_sweeps_paired_figures(tmp_path):
-    """A sweep of FedAvg and APF over three seeds: APF's traffic and Δ accuracy, paired seed
-    by seed, become the record's figures with fl.run.intervals' intervals; the verdict
-    follows from them; the page renders from the new record."""
-    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    """FedAvg and APF over three seeds, in two sweeps read as one: APF's traffic and Δ
+    accuracy, paired seed by seed, become the record's figures with fl.run.intervals'
+    intervals; the verdict follows from them; the page renders from the new record."""
+    sweep, later, records = tmp_path / "sweep", tmp_path / "later", tmp_path / "records"
     shutil.copytree(scoreboard.RECORDS, records)
     _small_workload_apf(records / "apf.json")
     apf = {0: (0.95, 50.0), 1: (0.94, 45.0), 2: (0.96, 55.0)}
-    for seed, (final, traffic) in apf.items():
-        _run(sweep / str(2 * seed), ["strategy=fedavg", f"seed={seed}"], 0.95, 100.0, 10.0)
-        _run(sweep / str(2 * seed + 1), ["strategy=apf", f"seed={seed}"], final, traffic, 9.0)
-    record = record_sweep(sweep, "apf", "fl-run -m ...", "2026-12-05", folder=records)
+    for seed, (final, traffic) in apf.items():  # seed 2 in a sweep of its own, run later
+        folder, job = (sweep, 2 * seed) if seed < 2 else (later, 0)
+        _run(folder / str(job), ["strategy=fedavg", f"seed={seed}"], 0.95, 100.0, 10.0)
+        _run(folder / str(job + 1), ["strategy=apf", f"seed={seed}"], final, traffic, 9.0)
+    record = record_sweep([sweep, later], "apf", "fl-run -m ...", "2026-12-05", folder=records)
     traffic, accuracy = record["conditions"]
     assert traffic["seeds"] == [0.5, 0.45, 0.55]
     assert (traffic["mean"], traffic["lo"], traffic["hi"]) == interval([0.5, 0.45, 0.55])
@@ -218,9 +219,9 @@ def test_record_mode_names_a_missing_arm(tmp_path):
         _run(sweep / str(2 * seed), ["strategy=fedavg", f"seed={seed}"], 0.9, 1.0, 1.0)
         _run(sweep / str(2 * seed + 1), ["strategy=pas", f"seed={seed}"], 0.9, 1.0, 1.0)
     with pytest.raises(RecordError, match="no arm 'strategy=apf'"):
-        record_sweep(sweep, "apf", "cmd", "2026-12-05", folder=records)
+        record_sweep([sweep], "apf", "cmd", "2026-12-05", folder=records)
     with pytest.raises(RecordError, match="holds no finished run"):
-        record_sweep(tmp_path / "empty", "apf", "cmd", "2026-12-05", folder=records)
+        record_sweep([tmp_path / "empty"], "apf", "cmd", "2026-12-05", folder=records)
 
 
 def test_a_malformed_record_is_refused_with_its_fault():
