@@ -36,6 +36,9 @@ FROM_KEPT = {
     ),
 }
 
+# rows recorded from kept sweeps by `scoreboard.py --record` (fl.run.compare's figures)
+RECORDED_KEPT = {"fedsu": ["fedsu_room/2026-12-07_cpu", "fedsu_room/2026-12-07_cpu_seeds34"]}
+
 
 def _sweep(tmp_path: Path) -> Path:
     """Two arms over two seeds, finished, with a checkpoint and a log that stay behind."""
@@ -126,4 +129,18 @@ def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsy
     source = committed["source"]
     kept = [KEPT / name for name in figures]
     again = scoreboard.record_figures(kept, stem, source["command"], source["date"], records)
+    assert again["conditions"] == committed["conditions"]
+
+
+@pytest.mark.parametrize("stem", sorted(RECORDED_KEPT))
+def test_a_recorded_row_regenerates_from_its_kept_sweep(stem, tmp_path):
+    """The same for a row `--record` filled from sweeps: the kept folders refill the
+    committed record's conditions as they stand."""
+    committed = json.loads((scoreboard.RECORDS / f"{stem}.json").read_text())
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / f"{stem}.json").write_text(json.dumps(committed))
+    source = committed["source"]
+    sweeps = [KEPT / name for name in RECORDED_KEPT[stem]]
+    again = scoreboard.record_sweep(sweeps, stem, source["command"], source["date"], records)
     assert again["conditions"] == committed["conditions"]
