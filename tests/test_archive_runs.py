@@ -19,22 +19,26 @@ from fl.run.compare import ARCHIVED_METRICS, find_runs, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 KEPT = ROOT / "experiments" / "records" / "sweeps"
+
+
+def _on_fedca_room(arm: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A row of fedca_room read as its preset says: arm `arm`'s kept folders and FedAvg's,
+    time to FedAvg's plateau − 1 point, and accuracy at the budget's end."""
+    folders = [f"fedca_room/2026-12-07_{a}_s{seed}" for a in ("fedavg", arm) for seed in range(5)]
+    return folders, {
+        f"fedca_room/room_table_{arm}_time.json": shlex.split(
+            "--reference strategy=fedavg --to-target 50 --margin 1 --reach-window 5"
+            " --measure time --ratio-bar 0.85"
+        ),
+        f"fedca_room/room_table_{arm}_acc.json": shlex.split(
+            "--reference strategy=fedavg --window 10 --bar -1"
+        ),
+    }
+
+
 # scoreboard rows read from kept sweeps: record -> (the kept folders, and for each figures
 # file beside them, room_table's arguments; the record's command says the same)
-FROM_KEPT = {
-    "fedca_plus": (
-        [f"fedca_room/2026-12-07_{arm}_s{seed}" for arm in ("fedavg", "plus") for seed in range(5)],
-        {
-            "fedca_room/room_table_plus_time.json": shlex.split(
-                "--reference strategy=fedavg --to-target 50 --margin 1 --reach-window 5"
-                " --measure time --ratio-bar 0.85"
-            ),
-            "fedca_room/room_table_plus_acc.json": shlex.split(
-                "--reference strategy=fedavg --window 10 --bar -1"
-            ),
-        },
-    ),
-}
+FROM_KEPT = {"fedca": _on_fedca_room("fedca"), "fedca_plus": _on_fedca_room("plus")}
 
 # rows recorded from kept sweeps by `scoreboard.py --record` (fl.run.compare's figures)
 RECORDED_KEPT = {"fedsu": ["fedsu_room/2026-12-07_cpu", "fedsu_room/2026-12-07_cpu_seeds34"]}
