@@ -9,6 +9,7 @@ import gzip
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -115,6 +116,15 @@ def test_a_folder_without_finished_jobs_is_refused(tmp_path):
         archive_runs.main([str(tmp_path / "empty"), "--to", str(tmp_path / "records")])
 
 
+def _committed_record(stem: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """Record `stem` as committed, and a records folder holding a copy for a refill."""
+    committed = json.loads((scoreboard.RECORDS / f"{stem}.json").read_text())
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / f"{stem}.json").write_text(json.dumps(committed))
+    return committed, records
+
+
 @pytest.mark.parametrize("stem", sorted(FROM_KEPT))
 def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsys):
     """Issue 35's "regenerated from recorded sweeps": room_table over the kept folders
@@ -126,10 +136,7 @@ def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsy
         assert json.loads(out.read_text()) == json.loads((KEPT / name).read_text())
     capsys.readouterr()
 
-    committed = json.loads((scoreboard.RECORDS / f"{stem}.json").read_text())
-    records = tmp_path / "records"
-    records.mkdir()
-    (records / f"{stem}.json").write_text(json.dumps(committed))
+    committed, records = _committed_record(stem, tmp_path)
     source = committed["source"]
     kept = [KEPT / name for name in figures]
     again = scoreboard.record_figures(kept, stem, source["command"], source["date"], records)
@@ -140,10 +147,7 @@ def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsy
 def test_a_recorded_row_regenerates_from_its_kept_sweep(stem, tmp_path):
     """The same for a row `--record` filled from sweeps: the kept folders refill the
     committed record's conditions as they stand."""
-    committed = json.loads((scoreboard.RECORDS / f"{stem}.json").read_text())
-    records = tmp_path / "records"
-    records.mkdir()
-    (records / f"{stem}.json").write_text(json.dumps(committed))
+    committed, records = _committed_record(stem, tmp_path)
     source = committed["source"]
     sweeps = [KEPT / name for name in RECORDED_KEPT[stem]]
     again = scoreboard.record_sweep(sweeps, stem, source["command"], source["date"], records)

@@ -408,9 +408,7 @@ class RoundDriver:
                 given_up.append(node)
                 del self.flights[node]
         self.sync_clock()
-        out = self._landed(server_round, landed, given_up)
-        out.delivered = delivered
-        return out
+        return self._landed(server_round, landed, given_up, delivered)
 
     def _next_arrival(self, until: float) -> tuple[int, float, bool, float | None] | None:
         """(node, arrival time, dropped, compute span) of the next reply to land by `until`,
@@ -481,9 +479,17 @@ class RoundDriver:
         }
         return min(done, key=lambda g: (last[g], g))
 
-    def _landed(self, server_round: int, flights: list[Flight], given_up: list[int]) -> Landed:
+    def _landed(
+        self,
+        server_round: int,
+        flights: list[Flight],
+        given_up: list[int],
+        delivered: dict[int, int],
+    ) -> Landed:
         flights.sort(key=lambda f: self.partitions[f.node])  # engine-independent order
-        out = Landed(given_up=sorted(given_up, key=self.partitions.__getitem__))
+        out = Landed(
+            given_up=sorted(given_up, key=self.partitions.__getitem__), delivered=delivered
+        )
         cohorts: set[int] = set()  # a cohort reply lands once, where its first member lands
         for flight in flights:
             assert flight.reply is not None, "only arrived replies land"
