@@ -159,16 +159,17 @@ def test_cancel_frees_the_link_for_the_others():
 
 
 @pytest.mark.parametrize("server_bytes_per_s", [math.inf, 1e3])  # scheduled, or events
-def test_a_job_is_delivered_once_its_download_ends(server_bytes_per_s: float) -> None:
+@pytest.mark.parametrize(("cancelled_at", "delivered"), [(4.9, False), (5.1, True)])
+def test_cancel_says_whether_the_download_had_ended(
+    server_bytes_per_s: float, cancelled_at: float, delivered: bool
+) -> None:
     clock = VirtualClock(
         [DeviceProfile(10.0, 100.0, 100.0)], seed=0, server_bytes_per_s=server_bytes_per_s
     )
     clock.submit(Job(1, 0, 500, 100, ((1.0, 100),)))  # down 5 s, compute 10 s, up 1 s
-    assert clock.next_arrival(until=4.9) is None and not clock.delivered(1)
-    assert clock.next_arrival(until=5.1) is None and clock.delivered(1)
-    clock.cancel(1)
-    with pytest.raises(KeyError):
-        clock.delivered(1)
+    assert clock.next_arrival(until=cancelled_at) is None
+    assert clock.cancel(1) is delivered
+    assert clock.in_flight() == []
 
 
 def test_until_duplicates_and_an_empty_clock():

@@ -443,9 +443,7 @@ class RoundDriver:
         if self.real is not None:
             self.real.cancel(node)
             return False
-        delivered = self.clock.delivered(node)
-        self.clock.cancel(node)
-        return delivered
+        return self.clock.cancel(node)
 
     def _target(self, dispatched: int, missing: int, buffer_k: int | None) -> int:
         """Arrivals that close a round (sync, semi_async)."""

@@ -313,26 +313,25 @@ class VirtualClock:
             raise ValueError(f"cannot wait {seconds} s")
         self._run(self.now + seconds, to_first_arrival=False)
 
-    def delivered(self, key: int) -> bool:
-        """Whether job `key`'s download had ended by `now`: its client holds the message."""
-        if key not in self._keys:
-            raise KeyError(f"job {key} is not in flight")
-        ends = [f.downloaded_s for f in self._flights if f.job.key == key]
-        ends += [a.downloaded_s for a in self._arrived if a.key == key]
-        ends += [a.downloaded_s for _, k, a in self._scheduled if k == key]
-        return bool(ends) and ends[0] <= self.now
+    def cancel(self, key: int) -> bool:
+        """Stop waiting for job `key`: its transfers leave the link from `now` on.
 
-    def cancel(self, key: int) -> None:
-        """Stop waiting for job `key`: its transfers leave the link from `now` on."""
+        Returns whether its download had ended by `now` (its client holds the message).
+        """
         if key not in self._keys:
             raise KeyError(f"job {key} is not in flight")
         self._keys.remove(key)
+        gone = [i for i, f in enumerate(self._flights) if f.job.key == key]
+        ends = [self._flights[i].downloaded_s for i in gone]
+        ends += [a.downloaded_s for a in self._arrived if a.key == key]
         self._arrived = [a for a in self._arrived if a.key != key]
-        if any(entry[1] == key for entry in self._scheduled):
+        scheduled = [a.downloaded_s for _, k, a in self._scheduled if k == key]
+        if scheduled:
+            ends += scheduled
             self._scheduled = [entry for entry in self._scheduled if entry[1] != key]
             heapq.heapify(self._scheduled)
-        gone = [i for i, f in enumerate(self._flights) if f.job.key == key]
         self._remove(gone)
+        return bool(ends) and ends[0] <= self.now
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue mid-flight, as plain Python values.
