@@ -39,7 +39,7 @@ def _on_fedca_room(arm: str) -> tuple[list[str], dict[str, list[str]]]:
 
 # scoreboard rows read from kept sweeps: record -> (the kept folders, and for each figures
 # file beside them, room_table's arguments; the record's command says the same)
-FROM_KEPT = {"fedca": _on_fedca_room("fedca"), "fedca_plus": _on_fedca_room("plus")}
+FROM_KEPT = {"fedca": _on_fedca_room("fedca"), "fedca_plus": _on_fedca_room("plusfix")}
 
 # rows recorded from kept sweeps by `scoreboard.py --record` (fl.run.compare's figures)
 RECORDED_KEPT = {"fedsu": ["fedsu_room/2026-12-07_cpu", "fedsu_room/2026-12-07_cpu_seeds34"]}
