@@ -283,7 +283,10 @@ def record_sweep(
         if not found:
             raise RecordError(f"{one}: holds no finished run (summary.json)")
         runs += found
-    arms = seed_arms(runs)
+    try:
+        arms = seed_arms(runs)
+    except ValueError as err:  # a seed run twice, or a run's files that do not parse
+        raise RecordError(f"{sweep}: {err}") from None
     if record["reference"] not in arms:
         raise RecordError(f"{sweep}: no arm {record['reference']!r} (arms: {sorted(arms)})")
     figures = paired_figures(arms, record["reference"])

@@ -77,6 +77,14 @@ def test_the_command_prints_and_writes_json(tmp_path, capsys):
     assert json.loads(out.read_text())["arms"]["strategy=gift"]["seeds"] == ["0", "1"]
 
 
+def test_a_seed_read_twice_is_refused_not_counted_twice(tmp_path, capsys):
+    sweep, out = _sweep(tmp_path), tmp_path / "figures.json"
+    args = [str(sweep), str(sweep), "--reference", "strategy=fedavg", "--window", "2"]
+    assert room_table.main([*args, "--json", str(out)]) == 2
+    assert "'strategy=fedavg' ran seed 0 twice" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "bad",
     [(4.0, float("nan")), (4.0, 1.5), (1.0, 0.5)],  # not finite, above 1, time going back

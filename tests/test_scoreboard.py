@@ -212,7 +212,7 @@ def _small_workload_apf(path: Path) -> None:
     path.write_text(json.dumps(record))
 
 
-def test_record_mode_names_a_missing_arm(tmp_path):
+def test_record_mode_names_a_missing_arm_and_a_seed_run_twice(tmp_path):
     sweep, records = tmp_path / "sweep", tmp_path / "records"
     shutil.copytree(scoreboard.RECORDS, records)
     for seed in (0, 1):
@@ -222,6 +222,8 @@ def test_record_mode_names_a_missing_arm(tmp_path):
         record_sweep([sweep], "apf", "cmd", "2026-12-05", folder=records)
     with pytest.raises(RecordError, match="holds no finished run"):
         record_sweep([tmp_path / "empty"], "apf", "cmd", "2026-12-05", folder=records)
+    with pytest.raises(RecordError, match="ran seed 0 twice"):  # one sweep read twice
+        record_sweep([sweep, sweep], "pas", "cmd", "2026-12-05", folder=records)
 
 
 def test_a_malformed_record_is_refused_with_its_fault():

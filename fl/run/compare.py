@@ -217,12 +217,23 @@ def _spread(
 
 
 def _arms(runs: Sequence[Run], varying: Sequence[list[str]]) -> dict[str, list[Run]]:
-    """Runs grouped by arm (equal but for `seed=`); {} unless some arm has several seeds."""
+    """Runs grouped by arm (equal but for `seed=`); {} unless some arm has several seeds.
+
+    An arm that ran a seed twice (a sweep read twice, or two sweeps with the same seed) is
+    refused: pairing and intervals would count that seed twice.
+    """
     if not any(o.startswith("seed=") for overrides in varying for o in overrides):
         return {}
     arms: dict[str, list[Run]] = {}
     for overrides, run in zip(varying, runs, strict=True):
         arm = " ".join(o for o in overrides if not o.startswith("seed=")) or "all runs"
+        seed = _seed_of(run)
+        twin = next((m for m in arms.get(arm, []) if _seed_of(m) == seed), None)
+        if twin is not None:
+            raise ValueError(
+                f"arm {arm!r} ran seed {seed} twice (jobs {twin.name} and {run.name}): "
+                "read each sweep once, and each seed from one sweep"
+            )
         arms.setdefault(arm, []).append(run)
     return arms if len(arms) < len(runs) else {}
 
