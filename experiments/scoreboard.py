@@ -19,7 +19,8 @@ do and does not when any does not.
 more finished sweeps (read as one): each condition's `arm` paired seed by seed with the
 record's `reference` arm, the interval by `fl.run.intervals`. `--figures` fills those
 whose `metric` names a figure of `experiments/room_table.py --json` (`room_delta` in
-points, `room_bytes`, `room_to_target`: ratios) from one or more of its files, each
+points, `room_bytes`, `room_to_target`: ratios) or of `experiments/asfl_table.py --json`
+(`objective_delta`: ASFL's objective, paired by seed) from one or more of its files, each
 condition's `arm` against its own `reference` (the record's unless it names one); a seed
 on which the arm missed the target (`missed`) keeps a condition from reproducing.
 Conditions measured by another script (`metric: null`, e.g. DPBalance's simulator) are
@@ -71,6 +72,7 @@ ROOM_METRICS = {
     "room_delta": (("deltas",), (-100.0, 100.0)),
     "room_bytes": (("bytes", "ratios"), (0.0, math.inf)),
     "room_to_target": (("ratios",), (0.0, math.inf)),
+    "objective_delta": (("objective_deltas",), (-math.inf, math.inf)),  # asfl_table.py's
 }
 REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce", "inconclusive"
 SETTING_KEYS = ("task", "model", "clients", "participation", "rounds", "seeds")
@@ -377,7 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--record", type=Path, nargs="+", metavar="SWEEP_DIR", help="finished sweeps, read as one"
     )
     parser.add_argument(
-        "--figures", type=Path, nargs="+", metavar="JSON", help="room_table.py --json files"
+        "--figures",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="room_table.py or asfl_table.py --json files",
     )
     parser.add_argument("--system", choices=[stem for stem, _ in SYSTEMS], help="its record")
     parser.add_argument("--command", help="the command that produced the sweep")
