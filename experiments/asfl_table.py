@@ -36,11 +36,14 @@ SYNC = "fedavg"  # the arm whose virtual time is L_FedAvg
 
 
 def _arm_and_seed(run: Run) -> tuple[str, int]:
+    """The run's arm (the asfl_arm preset, then any other override it ran with, such as
+    `safa strategy.cfcfm=false`) and its seed."""
     arm = next((o[len(ARM_KEY) :] for o in run.overrides if o.startswith(ARM_KEY)), None)
     if arm is None:
         raise ValueError(f"run {run.name} names no {ARM_KEY}... override: not an ASFL sweep's")
     seed = next((int(o[5:]) for o in run.overrides if o.startswith("seed=")), 0)
-    return arm, seed
+    other = [o for o in run.overrides if not o.startswith((ARM_KEY, "seed="))]
+    return " ".join([arm, *other]), seed
 
 
 def arm_runs(sweeps: Sequence[Path]) -> dict[str, dict[int, Run]]:

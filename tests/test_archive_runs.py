@@ -8,13 +8,14 @@ from __future__ import annotations
 import gzip
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from experiments import archive_runs, room_table, scoreboard
+from experiments import archive_runs, asfl_table, room_table, scoreboard
 from fl.common.files import TEXT_LIMIT
 from fl.run.compare import ARCHIVED_METRICS, find_runs, load_run
 
@@ -22,24 +23,39 @@ ROOT = Path(__file__).resolve().parent.parent
 KEPT = ROOT / "experiments" / "records" / "sweeps"
 
 
-def _on_fedca_room(arm: str) -> tuple[list[str], dict[str, list[str]]]:
+Tool = Callable[[list[str]], int]  # a figures script's main: argv -> exit status
+
+
+def _on_fedca_room(arm: str) -> tuple[list[str], dict[str, tuple[Tool, list[str]]]]:
     """A row of fedca_room read as its preset says: arm `arm`'s kept folders and FedAvg's,
     time to FedAvg's plateau − 1 point, and accuracy at the budget's end."""
     folders = [f"fedca_room/2026-12-07_{a}_s{seed}" for a in ("fedavg", arm) for seed in range(5)]
+    time = "--reference strategy=fedavg --to-target 50 --margin 1 --reach-window 5"
+    time += " --measure time --ratio-bar 0.85"
     return folders, {
-        f"fedca_room/room_table_{arm}_time.json": shlex.split(
-            "--reference strategy=fedavg --to-target 50 --margin 1 --reach-window 5"
-            " --measure time --ratio-bar 0.85"
-        ),
-        f"fedca_room/room_table_{arm}_acc.json": shlex.split(
-            "--reference strategy=fedavg --window 10 --bar -1"
+        f"fedca_room/room_table_{arm}_time.json": (room_table.main, shlex.split(time)),
+        f"fedca_room/room_table_{arm}_acc.json": (
+            room_table.main,
+            shlex.split("--reference strategy=fedavg --window 10 --bar -1"),
         ),
     }
 
 
+def _on_asfl_room() -> tuple[list[str], dict[str, tuple[Tool, list[str]]]]:
+    """ASFL's online row: its objective paired with SAFA's, FedBuff's and FedAvg's."""
+    return ["asfl_room/2026-12-07_s012"], {
+        f"asfl_room/asfl_table_vs_{ref}.json": (asfl_table.main, ["--reference", ref])
+        for ref in ("safa", "fedbuff", "fedavg")
+    }
+
+
 # scoreboard rows read from kept sweeps: record -> (the kept folders, and for each figures
-# file beside them, room_table's arguments; the record's command says the same)
-FROM_KEPT = {"fedca": _on_fedca_room("fedca"), "fedca_plus": _on_fedca_room("plusfix")}
+# file beside them, the script and its arguments; the record's command says the same)
+FROM_KEPT = {
+    "fedca": _on_fedca_room("fedca"),
+    "fedca_plus": _on_fedca_room("plusfix"),
+    "asfl": _on_asfl_room(),
+}
 
 # rows recorded from kept sweeps by `scoreboard.py --record` (fl.run.compare's figures)
 RECORDED_KEPT = {"fedsu": ["fedsu_room/2026-12-07_cpu", "fedsu_room/2026-12-07_cpu_seeds34"]}
@@ -130,9 +146,9 @@ def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsy
     """Issue 35's "regenerated from recorded sweeps": room_table over the kept folders
     writes the kept figures, and they fill the committed record as it stands."""
     folders, figures = FROM_KEPT[stem]
-    for name, args in figures.items():
+    for name, (tool, args) in figures.items():
         out = tmp_path / "figures.json"
-        assert room_table.main([*(str(KEPT / f) for f in folders), *args, "--json", str(out)]) == 0
+        assert tool([*(str(KEPT / f) for f in folders), *args, "--json", str(out)]) == 0
         assert json.loads(out.read_text()) == json.loads((KEPT / name).read_text())
     capsys.readouterr()
 

@@ -13,10 +13,10 @@ import yaml
 from experiments import asfl_table, scoreboard
 
 
-def _run(sweep: Path, job: int, arm: str, seed: int, acc: float, time: float) -> None:
+def _run(sweep: Path, job: int, arm: str, seed: int, acc: float, time: float, *extra: str) -> None:
     folder = sweep / str(job)
     (folder / ".hydra").mkdir(parents=True)
-    overrides = [f"+experiment/asfl_arm={arm}", f"seed={seed}"]
+    overrides = [f"+experiment/asfl_arm={arm}", *extra, f"seed={seed}"]
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     row = {"round": 1, "virtual_time_s": time, "accuracy": acc, "quota_k": 5, "lag_tolerance": 3}
     (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
@@ -59,6 +59,11 @@ def test_several_sweeps_read_as_one_but_a_seed_read_twice_is_refused(tmp_path):
     assert sorted(runs["asfl"]) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="ran seed 0 twice"):
         asfl_table.arm_runs([first, first])
+    # an arm run again with other settings is another arm, labelled by them
+    ablation = tmp_path / "ablation"
+    _run(ablation, 0, "safa", 0, 0.7, 30.0, "strategy.cfcfm=false")
+    runs = asfl_table.arm_runs([first, ablation])
+    assert sorted(runs["safa strategy.cfcfm=false"]) == [0] and sorted(runs["safa"]) == [0, 1, 2]
 
 
 def test_a_summary_out_of_range_is_refused_not_averaged(tmp_path):
