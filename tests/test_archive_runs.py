@@ -55,6 +55,15 @@ FROM_KEPT = {
     "fedca": _on_fedca_room("fedca"),
     "fedca_plus": _on_fedca_room("plusfix"),
     "asfl": _on_asfl_room(),
+    "pas": (
+        ["pas_room/2026-12-07_fix"],
+        {
+            "pas_room/room_table.json": (
+                room_table.main,
+                shlex.split("--reference strategy=fedavg --equal-time --window 10"),
+            )
+        },
+    ),
 }
 
 # rows recorded from kept sweeps by `scoreboard.py --record` (fl.run.compare's figures)
