@@ -202,7 +202,9 @@ def test_the_one_machine_trial_in_the_docs_works_verbatim(tmp_path):
     block = _one_machine_trial()
     assert f"fl-run engine=deployment {' '.join(TWO_ROUNDS)}\n" in block
     # TMPDIR for its `mktemp -d` (not for Ray's sockets: their paths have a length limit)
+    began = time.monotonic()
     proc = _bash_in_netns(block, tmp_path, timeout=400, TMPDIR=str(tmp_path))
+    elapsed = time.monotonic() - began
     [trial] = [d for d in tmp_path.glob("tmp.*") if d.is_dir()]  # its `mktemp -d` folder
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in trial.glob("*.log"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
@@ -223,8 +225,8 @@ def test_the_one_machine_trial_in_the_docs_works_verbatim(tmp_path):
     local = local_rows(*TWO_ROUNDS)
     for key in ("accuracy", "loss", "bytes_up", "bytes_down"):
         assert [r[key] for r in rows] == [r[key] for r in local], key
-    # Real arrivals (the deployment's default) report the wall clock where it runs ahead of
-    # the model's: never behind the local engine's time, equal only on a quick machine.
+    # Not the time: real arrivals (the deployment's default) report the wall clock since
+    # training began (~14 s a round here, against the model's 3.03), which grows and cannot
+    # pass the trial's own elapsed time.
     times = [r["virtual_time_s"] for r in rows]
-    assert all(t >= r["virtual_time_s"] for t, r in zip(times, local, strict=True)), times
-    assert times[1] > times[0], times
+    assert 0 < times[0] < times[1] < elapsed, (times, elapsed)
