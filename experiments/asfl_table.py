@@ -65,7 +65,10 @@ def _checked(run: Run) -> tuple[float, float]:
     """A run's final accuracy and virtual time, refused unless they are what they must be
     (a summary is a file's contents)."""
     acc, time = run.summary.get("final_accuracy"), run.summary.get("virtual_time_s")
-    ok = all(isinstance(v, int | float) and math.isfinite(v) for v in (acc, time))
+    ok = all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        for v in (acc, time)
+    )
     if not (ok and 0.0 <= acc <= 1.0 and time > 0.0):
         raise ValueError(f"run {run.name}: final_accuracy {acc!r} or virtual_time_s {time!r}")
     return float(acc), float(time)
@@ -184,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.json and not args.reference:
         parser.error("--json needs --reference")
+    if not 0.0 <= args.rho <= 1.0:
+        parser.error(f"--rho {args.rho}: a preference lies in [0, 1]")
     try:
         runs = arm_runs(args.sweeps)
         print(table(runs, args.rho))

@@ -67,7 +67,8 @@ SYSTEMS = (
 )
 RULES = ("at_most", "at_least")
 METRICS = {"final_accuracy": 100.0, "traffic": 1.0, "time_to_target": 1.0}  # × to the unit
-# room_table.py's figures: metric -> (where an arm's per-seed values are, their bounds)
+# room_table.py's and asfl_table.py's figures: metric -> (where an arm's per-seed values
+# are, their bounds)
 ROOM_METRICS = {
     "room_delta": (("deltas",), (-100.0, 100.0)),
     "room_bytes": (("bytes", "ratios"), (0.0, math.inf)),

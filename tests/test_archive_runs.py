@@ -152,8 +152,8 @@ def _committed_record(stem: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
 
 @pytest.mark.parametrize("stem", sorted(FROM_KEPT))
 def test_a_scoreboard_row_regenerates_from_its_kept_sweeps(stem, tmp_path, capsys):
-    """Issue 35's "regenerated from recorded sweeps": room_table over the kept folders
-    writes the kept figures, and they fill the committed record as it stands."""
+    """Issue 35's "regenerated from recorded sweeps": the figures script over the kept
+    folders writes the kept figures, and they fill the committed record as it stands."""
     folders, figures = FROM_KEPT[stem]
     for name, (tool, args) in figures.items():
         out = tmp_path / "figures.json"

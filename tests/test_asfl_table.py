@@ -75,6 +75,9 @@ def test_a_summary_out_of_range_is_refused_not_averaged(tmp_path):
     bad.write_text(json.dumps({"final_accuracy": 0.8, "virtual_time_s": float("nan")}))
     with pytest.raises(ValueError, match="virtual_time_s nan"):
         asfl_table.objectives(asfl_table.arm_runs([sweep]), rho=0.5)
+    bad.write_text(json.dumps({"final_accuracy": True, "virtual_time_s": 40.0}))
+    with pytest.raises(ValueError, match="final_accuracy True"):
+        asfl_table.objectives(asfl_table.arm_runs([sweep]), rho=0.5)
 
 
 def test_the_command_prints_writes_json_and_fills_a_scoreboard_condition(tmp_path, capsys):
@@ -98,8 +101,13 @@ def test_the_command_prints_writes_json_and_fills_a_scoreboard_condition(tmp_pat
     assert scoreboard.condition_verdict(condition) == "reproduces"
 
 
-def test_the_command_names_a_missing_sync_arm(tmp_path, capsys):
+def test_the_command_names_a_missing_sync_arm_and_refuses_a_preference_out_of_range(
+    tmp_path, capsys
+):
     sweep = tmp_path / "sweep"
     _run(sweep, 0, "asfl", 0, 0.8, 30.0)
     assert asfl_table.main([str(sweep)]) == 2
     assert "no 'fedavg' arm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        asfl_table.main([str(sweep), "--rho", "1.5"])
+    assert "a preference lies in [0, 1]" in capsys.readouterr().err
