@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fl.common.files import write_atomic
-from fl.run.compare import Run, find_runs, load_run
+from fl.run.compare import Run, find_runs, group_by_arm, load_run
 from fl.run.intervals import interval
 
 ARM_KEY = "+experiment/asfl_arm="
@@ -48,17 +48,9 @@ def _arm_and_seed(run: Run) -> tuple[str, int]:
 
 def arm_runs(sweeps: Sequence[Path]) -> dict[str, dict[int, Run]]:
     """arm -> seed -> run over every finished run of `sweeps`; a seed an arm ran twice (a
-    sweep given twice, two sweeps of one seed) is refused: it would be counted twice."""
-    out: dict[str, dict[int, Run]] = defaultdict(dict)
-    for run in (load_run(d) for sweep in sweeps for d in find_runs(sweep)):
-        arm, seed = _arm_and_seed(run)
-        if seed in out[arm]:
-            raise ValueError(
-                f"arm {arm!r} ran seed {seed} twice (jobs {out[arm][seed].name} and "
-                f"{run.name}): read each sweep once, and each seed from one sweep"
-            )
-        out[arm][seed] = run
-    return dict(out)
+    sweep given twice, two sweeps of one seed) is refused (`fl.run.compare.group_by_arm`)."""
+    runs = (load_run(d) for sweep in sweeps for d in find_runs(sweep))
+    return group_by_arm((*_arm_and_seed(run), run) for run in runs)
 
 
 def _checked(run: Run) -> tuple[float, float]:

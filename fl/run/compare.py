@@ -21,7 +21,7 @@ import logging
 import math
 import sys
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,6 +44,7 @@ __all__ = [
     "Run",
     "compare_runs",
     "find_runs",
+    "group_by_arm",
     "load_run",
     "main",
     "paired_figures",
@@ -216,26 +217,35 @@ def _spread(
     return f"{mean:.{places}f} [{low:.{places}f}, {high:.{places}f}]"
 
 
-def _arms(runs: Sequence[Run], varying: Sequence[list[str]]) -> dict[str, list[Run]]:
-    """Runs grouped by arm (equal but for `seed=`); {} unless some arm has several seeds.
-
-    An arm that ran a seed twice (a sweep read twice, or two sweeps with the same seed) is
-    refused: pairing and intervals would count that seed twice.
-    """
-    if not any(o.startswith("seed=") for overrides in varying for o in overrides):
-        return {}
-    arms: dict[str, list[Run]] = {}
-    for overrides, run in zip(varying, runs, strict=True):
-        arm = " ".join(o for o in overrides if not o.startswith("seed=")) or "all runs"
-        seed = _seed_of(run)
-        twin = next((m for m in arms.get(arm, []) if _seed_of(m) == seed), None)
+def group_by_arm(labelled: Iterable[tuple[str, Hashable, Run]]) -> dict[str, dict[Any, Run]]:
+    """(arm, seed, run) triples as arm -> seed -> run. An arm that ran a seed twice (a
+    sweep read twice, or two sweeps with the same seed) is refused: pairing and intervals
+    would count that seed twice."""
+    arms: dict[str, dict[Any, Run]] = {}
+    for arm, seed, run in labelled:
+        twin = arms.setdefault(arm, {}).get(seed)
         if twin is not None:
             raise ValueError(
                 f"arm {arm!r} ran seed {seed} twice (jobs {twin.name} and {run.name}): "
                 "read each sweep once, and each seed from one sweep"
             )
-        arms.setdefault(arm, []).append(run)
-    return arms if len(arms) < len(runs) else {}
+        arms[arm][seed] = run
+    return arms
+
+
+def _arms(runs: Sequence[Run], varying: Sequence[list[str]]) -> dict[str, list[Run]]:
+    """Runs grouped by arm (equal but for `seed=`; `group_by_arm`); {} unless some arm has
+    several seeds."""
+    if not any(o.startswith("seed=") for overrides in varying for o in overrides):
+        return {}
+
+    def arm(overrides: list[str]) -> str:
+        return " ".join(o for o in overrides if not o.startswith("seed=")) or "all runs"
+
+    by_seed = group_by_arm((arm(o), _seed_of(r), r) for o, r in zip(varying, runs, strict=True))
+    if len(by_seed) == len(runs):
+        return {}  # no arm ran several seeds
+    return {name: list(seeds.values()) for name, seeds in by_seed.items()}
 
 
 def _seed_table(arms: Mapping[str, list[Run]], runs: Sequence[Run]) -> str:
