@@ -6,10 +6,12 @@ of docs/DEPLOYMENT.md, run verbatim by tests/test_flwr_run.py.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,18 @@ def test_the_staged_app_packs_the_fab_flwr_packs_from_the_checkout(tmp_path):
     """`flwr run` of the staged copy submits the same FAB bytes as of the checkout, whose
     ignored folders (a virtualenv, run outputs), ignored files and symlinks stay out."""
     app = tmp_path / "app"
-    kept = ["pyproject.toml", ".gitignore", "fl/__init__.py", "server/app.py", "conf/config.yaml"]
+    kept = [
+        "pyproject.toml",
+        ".gitignore",
+        "fl/__init__.py",
+        "clients/__init__.py",
+        "server/app.py",
+        "strategies/__init__.py",
+        "privacy/__init__.py",
+        "conf/config.yaml",
+        "hydra_plugins/adaptive_fl/__init__.py",
+    ]  # a file in each folder the pyproject's `fab-include` names (flwr refuses a pattern
+    # that matches nothing)
     for name in kept:
         (app / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, app / name)
@@ -79,6 +92,23 @@ def test_the_staged_app_packs_the_fab_flwr_packs_from_the_checkout(tmp_path):
     assert app_files(app) == sorted([*kept, "experiments/notes.md"])
     with staged_app(app) as staged:
         assert build_fab_from_disk(staged) == build_fab_from_disk(app)
+
+
+def test_the_fab_carries_what_the_apps_run_and_leaves_records_docs_and_tests_behind():
+    """Each ClientApp process re-hashes the whole FAB (one per message in flwr 1.42): the
+    pyproject's `fab-exclude` keeps out what no app imports, and nothing the apps need."""
+    with staged_app() as staged:
+        names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(staged))).namelist())
+    tops = {name.split("/")[0] for name in names}
+    assert not tops & {"experiments", "docs", "tests", "examples"}
+    packages = ("fl", "clients", "server", "strategies", "privacy", "conf", "hydra_plugins")
+    needed = {
+        name
+        for name in app_files(REPO)
+        if name.startswith(tuple(f"{p}/" for p in packages)) and name.endswith((".py", ".yaml"))
+    }
+    assert len(needed) > 250 and needed <= names
+    assert "pyproject.toml" in names
 
 
 def test_server_overrides_pin_an_absolute_output_dir():
