@@ -3,7 +3,8 @@
 The sweep's own comparison.md counts rounds to the target; R2SP's claim is about time,
 and its rounds (one group each) are not BSP's (every client), so this table reads
 each arm's metrics.jsonl for the virtual time at which it first reached 0.90 and 0.94,
-relative to the first arm (BSP), and its mean time per cycle (every group once).
+relative to the first arm (BSP), and its mean time per cycle (every group once). Runs are
+read as `fl.run.compare` reads them (finished jobs only, regular files, kept archives).
 
     python experiments/r2sp_table.py experiments/out/r2sp/<stamp>
 
@@ -20,12 +21,10 @@ Chosen on 2026-12-04 before the r2sp_room sweep's grouped arms had finished.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from fl.run.compare import Run, find_runs, group_by_arm, load_run
 from fl.run.intervals import interval
 from fl.run.tracking import evaluated
 
@@ -33,13 +32,16 @@ TARGETS = (0.90, 0.94)
 BSP = "loop.groups=1 strategy=fedavg"
 
 
-def _arm(job: Path) -> tuple[str, int, list[dict[str, Any]]]:
-    """An arm's label (its overrides but `experiment=`), group count and metrics rows."""
-    overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
-    label = " ".join(o for o in overrides if not o.startswith("experiment="))
-    groups = next((int(o.split("=")[1]) for o in overrides if o.startswith("loop.groups=")), 1)
-    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return label, groups, rows
+def _groups(run: Run) -> int:
+    """The run's `loop.groups` (1, BSP's, where its overrides do not set it)."""
+    return next((int(o.split("=")[1]) for o in run.overrides if o.startswith("loop.groups=")), 1)
+
+
+def _seed_arm(run: Run) -> tuple[str, str, Run]:
+    """(arm, seed, run): the arm is the run's overrides but its seed and display switches."""
+    seed = next((o for o in run.overrides if o.startswith("seed=")), "seed=0")
+    arm = " ".join(o for o in run.overrides if not o.startswith(("seed=", "progress=", "plots=")))
+    return arm, seed, run
 
 
 def _time_to(rows: list[dict[str, Any]], target: float) -> float | None:
@@ -47,9 +49,9 @@ def _time_to(rows: list[dict[str, Any]], target: float) -> float | None:
 
 
 def table(sweep: Path) -> str:
-    """The Markdown table of the sweep's numbered jobs, first job as the reference."""
-    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    arms = [_arm(job) for job in jobs]
+    """The Markdown table of the sweep's finished jobs, first job as the reference."""
+    runs = [load_run(job) for job in find_runs(sweep)]
+    arms = [(" ".join(run.overrides), _groups(run), run.rows) for run in runs]
     ref = [_time_to(arms[0][2], t) for t in TARGETS]
     head = ["arm"]
     for t in TARGETS:
@@ -86,18 +88,9 @@ def _trailing(rows: list[dict[str, Any]], window: int) -> list[tuple[float, floa
 def relative_table(sweep: Path, fraction: float, window: int) -> str:
     """Each arm's virtual time to `fraction` × BSP's final trailing accuracy, per seed and
     paired with BSP's (the docstring's rule)."""
-    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    by_arm: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for job in jobs:
-        if not (job / "metrics.jsonl").is_file():
-            continue  # not run (yet)
-        label, _, rows = _arm(job)
-        parts = label.split()
-        seed = next((p for p in parts if p.startswith("seed=")), "seed=0")
-        arm = " ".join(p for p in parts if not p.startswith(("seed=", "progress=", "plots=")))
-        by_arm.setdefault(arm, {})[seed] = rows
+    by_arm = group_by_arm(_seed_arm(load_run(job)) for job in find_runs(sweep))
     curves = {  # each run's (virtual time, trailing accuracy), computed once
-        arm: {seed: _trailing(rows, window) for seed, rows in seeds.items()}
+        arm: {seed: _trailing(run.rows, window) for seed, run in seeds.items()}
         for arm, seeds in by_arm.items()
     }
     targets = {seed: fraction * curve[-1][1] for seed, curve in curves[BSP].items()}
