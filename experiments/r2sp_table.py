@@ -38,9 +38,9 @@ def _groups(run: Run) -> int:
 
 
 def _seed_arm(run: Run) -> tuple[str, str, Run]:
-    """(arm, seed, run): the arm is the run's overrides but its seed and display switches."""
+    """(arm, seed, run): the arm is the run's overrides but its seed."""
     seed = next((o for o in run.overrides if o.startswith("seed=")), "seed=0")
-    arm = " ".join(o for o in run.overrides if not o.startswith(("seed=", "progress=", "plots=")))
+    arm = " ".join(o for o in run.overrides if not o.startswith("seed="))
     return arm, seed, run
 
 

@@ -22,7 +22,7 @@ def _run(sweep: Path, job: int, arm: list[str], seed: int, curve: list[tuple[flo
     """A finished job: `curve` is its (virtual time, accuracy) per round."""
     folder = sweep / str(job)
     (folder / ".hydra").mkdir(parents=True)
-    overrides = ["experiment=r2sp_room", *arm, f"seed={seed}", "progress=false"]
+    overrides = ["experiment=r2sp_room", *arm, f"seed={seed}", "progress=false"]  # not a label
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     rows = [
         {"round": i + 1, "virtual_time_s": t, "accuracy": acc} for i, (t, acc) in enumerate(curve)
@@ -57,7 +57,7 @@ def test_the_time_table_reads_the_first_job_as_bsp(tmp_path):
     line = next(line for line in out.splitlines() if "strategy=r2sp seed=0" in line)
     # 0.90 at 25 s (BSP: 50 s), 0.94 too; a cycle of 4 groups is 4 × 25 s / 5 rounds
     assert line == (
-        "| loop.groups=4 strategy=r2sp seed=0 progress=false | 25.0 | 0.50 | 25.0 | 0.50 "
+        "| loop.groups=4 strategy=r2sp seed=0 | 25.0 | 0.50 | 25.0 | 0.50 "
         "| 20.00 | 5 | 0.950 | 0.950 | 0 |"
     )
 

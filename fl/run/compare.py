@@ -76,7 +76,8 @@ class Run(NamedTuple):
 
 def load_run(run_dir: Path) -> Run:
     """A finished run's outputs; `experiment=` and the invocation's own controls
-    (`resume=`, `overwrite=`: `fl.run.tracking.CONTROL_KEYS`) are left out of its overrides."""
+    and display switches (`resume=`, `overwrite=`, `progress=`, `plots=`:
+    `fl.run.tracking.CONTROL_KEYS`) are left out of its overrides."""
     path = run_dir / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(read_regular_text(path)) if path.exists() else []
     rows = [json.loads(line) for line in _metrics_text(run_dir).splitlines()]

@@ -45,11 +45,13 @@ Row = TypeVar("Row", bound=Mapping[str, Any])
 # Overrides that say how one invocation treats its run folder, never what the run is: a
 # resumed sweep passes resume=true to the arms it starts fresh too, and their command
 # lines, saved beside them, must label them as the arms they are.
-CONTROL_KEYS = ("resume", "overwrite")
+# The invocation's own controls and display switches: none changes what a run computes, so
+# none is saved with it, replayed by `resume=latest`, or part of an arm's label.
+CONTROL_KEYS = ("resume", "overwrite", "progress", "plots")
 
 
 def run_defining(overrides: list[str]) -> list[str]:
-    """`overrides` without the invocation's own controls (CONTROL_KEYS)."""
+    """`overrides` without the invocation's own controls and display switches (CONTROL_KEYS)."""
     return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in CONTROL_KEYS]
 
 
