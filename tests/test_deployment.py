@@ -96,7 +96,7 @@ def test_the_staged_app_packs_the_fab_flwr_packs_from_the_checkout(tmp_path):
 
 def test_the_fab_carries_what_the_apps_run_and_leaves_records_docs_and_tests_behind():
     """Each ClientApp process re-hashes the whole FAB (one per message in flwr 1.42): the
-    pyproject's `fab-exclude` keeps out what no app imports, and nothing the apps need."""
+    pyproject's `fab-include` keeps out what no app imports, and nothing the apps need."""
     with staged_app() as staged:
         names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(staged))).namelist())
     tops = {name.split("/")[0] for name in names}

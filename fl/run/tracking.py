@@ -42,11 +42,10 @@ __all__ = [
 ]
 Row = TypeVar("Row", bound=Mapping[str, Any])
 
-# Overrides that say how one invocation treats its run folder, never what the run is: a
-# resumed sweep passes resume=true to the arms it starts fresh too, and their command
-# lines, saved beside them, must label them as the arms they are.
-# The invocation's own controls and display switches: none changes what a run computes, so
-# none is saved with it, replayed by `resume=latest`, or part of an arm's label.
+# Overrides that say how one invocation treats its run folder or its console, never what
+# the run is: none is saved with a run, replayed by `resume=latest`, or part of an arm's
+# label (a resumed sweep passes resume=true to the arms it starts fresh too, and one arm
+# may be rerun with progress=false: their saved command lines must label them alike).
 CONTROL_KEYS = ("resume", "overwrite", "progress", "plots")
 
 
