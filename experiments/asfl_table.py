@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fl.common.config import is_finite
 from fl.common.files import write_atomic
 from fl.run.compare import Run, find_runs, group_by_arm, load_run
 from fl.run.intervals import interval
@@ -57,10 +58,7 @@ def _checked(run: Run) -> tuple[float, float]:
     """A run's final accuracy and virtual time, refused unless they are what they must be
     (a summary is a file's contents)."""
     acc, time = run.summary.get("final_accuracy"), run.summary.get("virtual_time_s")
-    ok = all(
-        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        for v in (acc, time)
-    )
+    ok = all(is_finite(v) for v in (acc, time))
     if not (ok and 0.0 <= acc <= 1.0 and time > 0.0):
         raise ValueError(f"run {run.name}: final_accuracy {acc!r} or virtual_time_s {time!r}")
     return float(acc), float(time)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fl.common.config import is_finite
 from fl.common.files import NotRegularFile, read_regular_text, write_atomic
 from fl.run.compare import find_runs, paired_figures, seed_arms
 from fl.run.intervals import interval
@@ -130,10 +131,6 @@ def verdict(record: dict[str, Any]) -> str:
     return FAILS if found == {FAILS} else INCONCLUSIVE
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_record(record: Any, name: str) -> dict[str, Any]:
     """`record` if it is a well-formed record, else RecordError naming the file and the fault."""
 
@@ -168,11 +165,12 @@ def check_record(record: Any, name: str) -> dict[str, Any]:
         figure = [c.get(k) for k in ("mean", "lo", "hi")]
         unreached = c.get("missed", 0) and all(v is None for v in figure)  # every seed missed
         need(
-            _number(c.get("bar")) and (unreached or all(map(_number, figure))), "bar, mean, lo, hi"
+            is_finite(c.get("bar")) and (unreached or all(map(is_finite, figure))),
+            "bar, mean, lo, hi",
         )
         need(unreached or c["lo"] <= c["mean"] <= c["hi"], f"{c['label']}: lo <= mean <= hi")
         seeds = c.get("seeds")
-        need(seeds is None or (isinstance(seeds, list) and all(map(_number, seeds))), "seeds")
+        need(seeds is None or (isinstance(seeds, list) and all(map(is_finite, seeds))), "seeds")
     need(verdict(record) != FAILS or bool(record["reason"].strip()), "a failure needs a reason")
     return record
 
@@ -332,7 +330,7 @@ def _room_values(
         if entry is None:
             continue  # this file reads another metric of the arm
         missed = arm.get("missed", []) if c["metric"] == "room_to_target" else []
-        ok = isinstance(entry, list) and all(_number(v) for v in entry)
+        ok = isinstance(entry, list) and all(is_finite(v) for v in entry)
         if not (ok and all(bounds[0] <= v <= bounds[1] for v in entry)):
             raise RecordError(f"{c['label']}: its figures are not numbers within {bounds}")
         if not isinstance(missed, list):

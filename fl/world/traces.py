@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fl.common.config import is_finite
 from fl.common.files import read_regular_text
 
 __all__ = ["AvailabilityTrace", "SpeedTrace", "ToggleTrace"]
@@ -26,11 +27,6 @@ def _periods(t: float, length: float) -> int:
     if (k + 1) * length <= t:
         return k + 1
     return k - 1 if k * length > t else k
-
-
-def _is_number(x: object) -> bool:
-    """A finite int or float, not a bool: what a trace or its parameters may hold."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class SpeedTrace:
@@ -51,10 +47,10 @@ class SpeedTrace:
         rho: float = 0.9,
         sigma: float = 0.1,
     ) -> None:
-        if not (_is_number(slot_s) and slot_s > 0):
+        if not (is_finite(slot_s) and slot_s > 0):
             raise ValueError(f"speed trace: slot_s must be a positive number, got {slot_s!r}")
         for name, value, high in (("mean", mean, 0.95), ("rho", rho, 1.0), ("sigma", sigma, None)):
-            if not (_is_number(value) and value >= 0 and (high is None or value <= high)):
+            if not (is_finite(value) and value >= 0 and (high is None or value <= high)):
                 bounds = f"[0, {high}]" if high is not None else ">= 0"
                 raise ValueError(f"speed trace: {name} must be in {bounds}, got {value!r}")
         self.seed, self.slot_s = seed, float(slot_s)
@@ -117,9 +113,9 @@ class ToggleTrace:
             ("toggle_fast_scale_s", fast_scale_s),
             ("toggle_slow_scale_s", slow_scale_s),
         ):
-            if not (_is_number(value) and value > 0):
+            if not (is_finite(value) and value > 0):
                 raise ValueError(f"toggle trace: {name} must be a positive number, got {value!r}")
-        if not (_is_number(slowdown_low) and _is_number(slowdown_high)):
+        if not (is_finite(slowdown_low) and is_finite(slowdown_high)):
             raise ValueError("toggle trace: slowdown bounds must be finite numbers")
         if not 1.0 <= slowdown_low <= slowdown_high:
             raise ValueError(
@@ -190,7 +186,7 @@ class AvailabilityTrace:
         *,
         period_s: float | None = None,
     ) -> None:
-        if period_s is not None and not (_is_number(period_s) and period_s > 0):
+        if period_s is not None and not (is_finite(period_s) and period_s > 0):
             raise ValueError(f"period_s must be a positive number, got {period_s!r}")
         self.num_clients, self.period_s = num_clients, period_s
         self._starts: dict[int, list[float]] = {}
@@ -211,7 +207,7 @@ class AvailabilityTrace:
             where = f"client {client}, interval {i} {span!r}"
             if not (isinstance(span, Sequence) and len(span) == 2):
                 raise ValueError(f"{where}: expected [start, end]")
-            if not all(_is_number(x) for x in span):
+            if not all(is_finite(x) for x in span):
                 raise ValueError(f"{where}: start and end must be finite numbers")
             start, end = float(span[0]), float(span[1])
             if start < 0:
@@ -264,7 +260,7 @@ class AvailabilityTrace:
     ) -> AvailabilityTrace:
         """Alternating exponential on/off periods per client, starting in the stationary state."""
         for name, value in (("mean_online_s", mean_online_s), ("mean_offline_s", mean_offline_s)):
-            if not (_is_number(value) and value > 0):
+            if not (is_finite(value) and value > 0):
                 raise ValueError(f"availability trace: {name} must be positive, got {value!r}")
         trace = cls(num_clients, {})
         trace._renewal = (seed, float(mean_online_s), float(mean_offline_s))
