@@ -19,6 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
+from fl.common.config import is_finite
 from fl.wire.codec import CodecError, decode, encode_dense
 from fl.wire.contract import unreadable
 from fl.wire.records import Layout
@@ -98,10 +99,7 @@ def _speed_trace(value: Any) -> tuple[tuple[float, float], ...]:
     ok = (
         numbers
         and len(numbers) % 2 == 0
-        and all(
-            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-            for x in numbers
-        )
+        and all(map(is_finite, numbers))
         and pairs[0][0] == 0
         and all(a[0] < b[0] for a, b in itertools.pairwise(pairs))
         and all(speed > 0 for _, speed in pairs)
